@@ -1,0 +1,52 @@
+"""Type stubs for the compiled kernels (see _kernels.pyx)."""
+
+import numpy as np
+from numpy.typing import NDArray
+
+def openmp_enabled() -> bool: ...
+def zstd_version() -> str: ...
+def zstd_level_range() -> tuple[int, int]: ...
+def check_frames(
+    blob: NDArray[np.uint8] | bytes, chunks: NDArray[np.int64], where: object
+) -> NDArray[np.int64]: ...
+def decode_into(
+    blob: NDArray[np.uint8] | bytes,
+    chunks: NDArray[np.int64],
+    indptr: NDArray[np.int64],
+    exc: NDArray[np.int64],
+    n_genes: int,
+    indices: NDArray[np.int32],
+    values: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
+    n_threads: int,
+    where: object,
+) -> None: ...
+def gather_into(
+    blob: NDArray[np.uint8] | bytes,
+    chunks: NDArray[np.int64],
+    indptr: NDArray[np.int64],
+    exc: NDArray[np.int64],
+    n_genes: int,
+    rows: NDArray[np.int64],
+    order: NDArray[np.int64],
+    group_chunks: NDArray[np.int64],
+    group_starts: NDArray[np.int64],
+    out_indptr: NDArray[np.int64],
+    indices: NDArray[np.int32],
+    values: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
+    n_threads: int,
+    where: object,
+) -> None: ...
+def decompress_only(
+    blob: NDArray[np.uint8] | bytes, chunks: NDArray[np.int64], n_threads: int
+) -> int: ...
+def crc32_range(blob: NDArray[np.uint8] | bytes | bytearray, start: int, n_threads: int) -> int: ...
+def encode_chunks(
+    indptr: NDArray[np.int64],
+    indices: NDArray[np.int32],
+    data: NDArray[np.int32],
+    bounds: NDArray[np.int64],
+    n_genes: int,
+    level: int,
+    n_threads: int,
+    where: object = ...,
+) -> tuple[list[list[bytes]], NDArray[np.int64]]: ...

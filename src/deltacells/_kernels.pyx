@@ -1,0 +1,710 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Hot loops of the deltacells tile codec: libzstd called directly, the GIL released.
+
+Chunks are the unit of parallelism: every parallel loop runs over chunks under ``prange``, with
+one zstd context and one scratch buffer per thread. Nothing inside a parallel region touches a
+Python object; failures are written to per-chunk status slots and raised once the region is
+over, for the lowest failing chunk, so the error (like the output) does not depend on the
+thread count.
+
+The structure handed to these functions (chunk table, indptr) must come from
+:func:`deltacells.format.parse_layout`; the kernels check what they index anyway, so bad input
+gives an error rather than a stray memory access.
+"""
+
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from cython.parallel cimport parallel, prange
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
+from libc.stdlib cimport free, malloc
+
+import numpy as np
+
+from deltacells._zstd cimport (
+    ZSTD_CCtx,
+    ZSTD_compressBound,
+    ZSTD_compressCCtx,
+    ZSTD_CONTENTSIZE_ERROR,
+    ZSTD_CONTENTSIZE_UNKNOWN,
+    ZSTD_createCCtx,
+    ZSTD_createDCtx,
+    ZSTD_DCtx,
+    ZSTD_decompressDCtx,
+    ZSTD_findFrameCompressedSize,
+    ZSTD_freeCCtx,
+    ZSTD_freeDCtx,
+    ZSTD_getFrameContentSize,
+    ZSTD_isError,
+    ZSTD_maxCLevel,
+    ZSTD_minCLevel,
+    ZSTD_versionString,
+)
+from deltacells.format import FormatError
+
+cdef extern from "zlib.h" nogil:
+    unsigned long crc32(unsigned long crc, const unsigned char* buf, unsigned int length)
+    unsigned long crc32_combine(unsigned long crc1, unsigned long crc2, long length2)
+
+cdef extern from *:
+    """
+    #ifdef _OPENMP
+    #define DELTACELLS_OPENMP 1
+    #else
+    #define DELTACELLS_OPENMP 0
+    #endif
+    """
+    int DELTACELLS_OPENMP
+
+ctypedef fused value_t:
+    int32_t
+    float
+    double
+
+# Chunk-table columns (same order as deltacells.format.CHUNK_FIELDS).
+cdef enum:
+    CELL_LO = 0
+    CELL_HI = 1
+    NNZ_LO = 2
+    NNZ_HI = 3
+    STREAM_MAX = 65535
+    MAX_COUNT = 2147483647
+
+# Status codes written by the parallel regions; messages below.
+cdef enum Status:
+    OK = 0
+    E_NOMEM
+    E_FRAME_HEADER
+    E_FRAME_SIZE
+    E_FRAME_LENGTH
+    E_DECOMPRESS
+    E_CELL_RANGE
+    E_ZERO_GAP
+    E_GENE_RANGE
+    E_EXC_SIZE
+    E_EXC_ORDER
+    E_VEXC_PAYLOAD
+    E_GEXC_PAYLOAD
+    E_EXC_STORED
+    E_ENC_ORDER
+    E_ENC_VALUE
+    E_ENC_COMPRESS
+
+_MESSAGES = {
+    E_NOMEM: "out of memory for scratch buffers or zstd contexts",
+    E_FRAME_HEADER: "zstd frame header unreadable or without content size (at frame {})",
+    E_FRAME_SIZE: "zstd frame content size lies (frame {} declares a size the chunk cannot hold)",
+    E_FRAME_LENGTH: "zstd frame {} does not fill its stored length exactly (truncated or padded)",
+    E_DECOMPRESS: "zstd decompression failed or gave the wrong size (frame {})",
+    E_CELL_RANGE: "indptr of cell {} points outside its chunk",
+    E_ZERO_GAP: "zero gap inside cell {} (duplicate gene index)",
+    E_GENE_RANGE: "gene index >= n_genes in cell {}",
+    E_EXC_SIZE: "exception frame {} is not 8*k bytes with k <= chunk nonzeros",
+    E_EXC_ORDER: "exception positions not strictly increasing or >= chunk nonzeros (index {})",
+    E_VEXC_PAYLOAD: "value exception payload out of 65536..2^31-1 (index {})",
+    E_GEXC_PAYLOAD: "gap exception payload out of 1..n_genes-1 (index {})",
+    E_EXC_STORED: "exception at chunk position {} where the stored value is not 65535",
+    E_ENC_ORDER: "gene indices not strictly increasing or out of range in cell {}",
+    E_ENC_VALUE: "count outside 1..2^31-1 in cell {}",
+    E_ENC_COMPRESS: "zstd compression failed (stream {})",
+}
+_FRAME_NAMES = ("gaps", "vals", "vexc", "gexc")
+
+
+def openmp_enabled() -> bool:
+    """Whether this build runs parallel loops with OpenMP (else serially, same output)."""
+    return bool(DELTACELLS_OPENMP)
+
+
+def zstd_version() -> str:
+    """Version of the libzstd these kernels are linked against."""
+    return ZSTD_versionString().decode()
+
+
+def zstd_level_range() -> tuple:
+    """(minimum, maximum) compression level of the linked libzstd."""
+    return (ZSTD_minCLevel(), ZSTD_maxCLevel())
+
+
+cdef struct Planes:
+    # One decompressed chunk: byte planes plus its exception lists.
+    const uint8_t* glo
+    const uint8_t* ghi
+    const uint8_t* vlo
+    const uint8_t* vhi
+    const uint32_t* vpos
+    const uint32_t* vpay
+    const uint32_t* gpos
+    const uint32_t* gpay
+    int64_t n
+    int64_t kv
+    int64_t kg
+
+
+def _raise_status(int32_t[::1] status, int64_t[::1] detail, object where, object chunk_ids=None):
+    """Raise FormatError for the lowest failing slot, if any (called with the GIL held)."""
+    cdef Py_ssize_t i
+    for i in range(status.shape[0]):
+        if status[i] != OK:
+            code = status[i]
+            what = detail[i]
+            if code in (E_FRAME_HEADER, E_FRAME_SIZE, E_FRAME_LENGTH, E_DECOMPRESS, E_EXC_SIZE,
+                        E_ENC_COMPRESS):
+                what = _FRAME_NAMES[what]
+            chunk = i if chunk_ids is None else chunk_ids[i]
+            message = f"{where}: chunk {chunk}: " + _MESSAGES[code].format(what)
+            if code == E_NOMEM:
+                raise MemoryError(message)
+            if code in (E_ENC_ORDER, E_ENC_VALUE, E_ENC_COMPRESS):
+                raise ValueError(message)
+            raise FormatError(message)
+
+
+# ---------------------------------------------------------------------------------------------
+# Frame checks (serial; header reads only, nothing is decompressed)
+
+
+def check_frames(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, object where):
+    """Check every frame's header and length; return the exception counts per chunk.
+
+    Each stream must be exactly one zstd frame that fills its stored length and declares its
+    content size: ``2 * n`` bytes for gaps and values, ``8 * k`` with ``k <= n`` for exception
+    frames.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``int64`` array of shape ``(n_chunks, 2)``: value and gap exception counts.
+    """
+    cdef Py_ssize_t n_chunks = chunks.shape[0]
+    cdef Py_ssize_t c
+    cdef int f
+    cdef int64_t n, off, length
+    cdef unsigned long long content
+    cdef size_t frame_size
+    counts = np.zeros((n_chunks, 2), dtype=np.int64)
+    cdef int64_t[:, ::1] counts_v = counts
+    status = np.zeros(n_chunks, dtype=np.int32)
+    detail = np.zeros(n_chunks, dtype=np.int64)
+    cdef int32_t[::1] status_v = status
+    cdef int64_t[::1] detail_v = detail
+    cdef const uint8_t* base = &blob[0]
+    with nogil:
+        for c in range(n_chunks):
+            n = chunks[c, NNZ_HI] - chunks[c, NNZ_LO]
+            for f in range(4):
+                off = chunks[c, 4 + 2 * f]
+                length = chunks[c, 5 + 2 * f]
+                if length == 0:
+                    continue  # exception frames may be absent; parse_layout checked the streams
+                content = ZSTD_getFrameContentSize(base + off, <size_t>length)
+                if content == ZSTD_CONTENTSIZE_ERROR or content == ZSTD_CONTENTSIZE_UNKNOWN:
+                    status_v[c] = E_FRAME_HEADER
+                elif f < 2 and content != <unsigned long long>(2 * n):
+                    status_v[c] = E_FRAME_SIZE
+                elif f >= 2 and (content % 8 != 0 or content // 8 > <unsigned long long>n):
+                    status_v[c] = E_EXC_SIZE
+                else:
+                    frame_size = ZSTD_findFrameCompressedSize(base + off, <size_t>length)
+                    if ZSTD_isError(frame_size) or frame_size != <size_t>length:
+                        status_v[c] = E_FRAME_LENGTH
+                    elif f >= 2:
+                        counts_v[c, f - 2] = <int64_t>(content // 8)
+                if status_v[c] != OK:
+                    detail_v[c] = f
+                    break
+    _raise_status(status, detail, where)
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+
+
+cdef inline int64_t _scratch_bytes(int64_t n, int64_t kv, int64_t kg) noexcept nogil:
+    return 4 * n + 8 * kv + 8 * kg + 8
+
+
+cdef int _load_chunk(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entry,
+                     int64_t kv, int64_t kg, int64_t n_genes, uint8_t* scratch,
+                     Planes* p, int64_t* detail) noexcept nogil:
+    """Decompress one chunk's frames into scratch and validate its exception lists."""
+    cdef int64_t n = entry[NNZ_HI] - entry[NNZ_LO]
+    cdef size_t got
+    cdef int64_t i
+    cdef uint32_t prev
+    cdef uint8_t* dst
+    cdef int64_t sizes[4]
+    cdef int f
+    sizes[0] = 2 * n
+    sizes[1] = 2 * n
+    sizes[2] = 8 * kv
+    sizes[3] = 8 * kg
+    dst = scratch
+    for f in range(4):
+        if f >= 2 and entry[5 + 2 * f] == 0:
+            continue
+        got = ZSTD_decompressDCtx(dctx, dst, <size_t>sizes[f], blob + entry[4 + 2 * f],
+                                  <size_t>entry[5 + 2 * f])
+        if ZSTD_isError(got) or got != <size_t>sizes[f]:
+            detail[0] = f
+            return E_DECOMPRESS
+        dst += sizes[f]
+    p.n = n
+    p.glo = scratch
+    p.ghi = scratch + n
+    p.vlo = scratch + 2 * n
+    p.vhi = scratch + 3 * n
+    p.vpos = <const uint32_t*>(scratch + 4 * n)
+    p.vpay = p.vpos + kv
+    p.gpos = p.vpay + kv
+    p.gpay = p.gpos + kg
+    p.kv = kv
+    p.kg = kg
+    # Exception lists: strictly increasing positions < n, payloads in range, stored 65535.
+    for i in range(kv):
+        if p.vpos[i] >= n or (i > 0 and p.vpos[i] <= prev):
+            detail[0] = i
+            return E_EXC_ORDER
+        prev = p.vpos[i]
+        if p.vpay[i] < 65536 or p.vpay[i] > MAX_COUNT:
+            detail[0] = i
+            return E_VEXC_PAYLOAD
+        if (p.vlo[prev] | (p.vhi[prev] << 8)) != STREAM_MAX:
+            detail[0] = prev
+            return E_EXC_STORED
+    for i in range(kg):
+        if p.gpos[i] >= n or (i > 0 and p.gpos[i] <= prev):
+            detail[0] = i
+            return E_EXC_ORDER
+        prev = p.gpos[i]
+        if p.gpay[i] < 1 or <int64_t>p.gpay[i] >= n_genes:
+            detail[0] = i
+            return E_GEXC_PAYLOAD
+        if (p.glo[prev] | (p.ghi[prev] << 8)) != STREAM_MAX:
+            detail[0] = prev
+            return E_EXC_STORED
+    return OK
+
+
+cdef inline int64_t _lower_bound(const uint32_t* a, int64_t k, int64_t x) noexcept nogil:
+    """First index i in sorted a[0:k] with a[i] >= x."""
+    cdef int64_t lo = 0, hi = k, mid
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if <int64_t>a[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+cdef int _decode_cell(const Planes* p, int64_t s, int64_t e, int64_t n_genes,
+                      int32_t* out, int64_t* xcursor) noexcept nogil:
+    """Gene indices of the nonzeros s..e of a chunk (one cell) into out[0 : e - s].
+
+    ``xcursor`` indexes the first gap exception at or after ``s``; it is advanced past ``e``.
+    """
+    cdef int64_t g = 0, i, q, x = xcursor[0]
+    cdef int64_t zeros = 0
+    cdef uint32_t gap
+    cdef int64_t p_ = s
+    if s == e:
+        return OK
+    while p_ < e:
+        if x < p.kg and p.gpos[x] == p_:
+            g += p.gpay[x]
+            x += 1
+        q = e
+        if x < p.kg and p.gpos[x] < e:
+            q = p.gpos[x]
+        for i in range(p_, q):
+            gap = p.glo[i] | (<uint32_t>p.ghi[i] << 8)
+            zeros += gap == 0
+            g += gap
+            out[i - s] = <int32_t>g
+        p_ = q
+    xcursor[0] = x
+    # The first gap of a cell is its first gene and may be 0; any later zero is a duplicate.
+    if zeros - ((p.glo[s] | p.ghi[s]) == 0) > 0:
+        return E_ZERO_GAP
+    if g >= n_genes:  # indices increase within a cell, so the last one is the largest
+        return E_GENE_RANGE
+    return OK
+
+
+cdef void _decode_values(const Planes* p, int64_t s, int64_t e, value_t* out,
+                         int64_t* xcursor) noexcept nogil:
+    """Counts of the nonzeros s..e of a chunk into out[0 : e - s], exceptions applied."""
+    cdef int64_t i, x = xcursor[0]
+    for i in range(s, e):
+        out[i - s] = <value_t>(p.vlo[i] | (<uint32_t>p.vhi[i] << 8))
+    while x < p.kv and p.vpos[x] < e:
+        out[p.vpos[x] - s] = <value_t>p.vpay[x]
+        x += 1
+    xcursor[0] = x
+
+
+cdef int64_t _max_scratch(const int64_t[:, ::1] chunks, const int64_t[:, ::1] exc, object ids):
+    cdef int64_t best = 8, size
+    for c in ids:
+        size = _scratch_bytes(chunks[c, NNZ_HI] - chunks[c, NNZ_LO], exc[c, 0], exc[c, 1])
+        if size > best:
+            best = size
+    return best
+
+
+def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
+                const int64_t[::1] indptr, const int64_t[:, ::1] exc, int64_t n_genes,
+                int32_t[::1] indices, value_t[::1] values, int n_threads, object where):
+    """Decode every chunk of a tile into ``indices`` and ``values`` (length >= nnz).
+
+    ``exc`` is the output of :func:`check_frames`. The caller owns ``indptr``.
+    """
+    cdef Py_ssize_t n_chunks = chunks.shape[0]
+    cdef Py_ssize_t c
+    cdef int64_t r, a, s, e, xg, xv, nnz = indptr[indptr.shape[0] - 1]
+    cdef int st
+    cdef ZSTD_DCtx* dctx
+    cdef uint8_t* scratch
+    cdef Planes* planes
+    if indices.shape[0] < nnz or values.shape[0] < nnz:
+        raise ValueError(f"output buffers hold {indices.shape[0]} / {values.shape[0]} entries, "
+                         f"the tile has {nnz} nonzeros")
+    status = np.zeros(n_chunks, dtype=np.int32)
+    detail = np.zeros(n_chunks, dtype=np.int64)
+    cdef int32_t[::1] status_v = status
+    cdef int64_t[::1] detail_v = detail
+    cdef int64_t scratch_size = _max_scratch(chunks, exc, range(n_chunks))
+    cdef const uint8_t* base = &blob[0]
+    cdef int32_t* idx_out = &indices[0] if indices.shape[0] else NULL
+    cdef value_t* val_out = &values[0] if values.shape[0] else NULL
+    if n_chunks == 0:
+        return
+    with nogil, parallel(num_threads=n_threads):
+        dctx = ZSTD_createDCtx()
+        scratch = <uint8_t*>malloc(scratch_size)
+        planes = <Planes*>malloc(sizeof(Planes))
+        for c in prange(n_chunks, schedule="dynamic"):
+            if dctx == NULL or scratch == NULL or planes == NULL:
+                status_v[c] = E_NOMEM
+                continue
+            st = _load_chunk(dctx, base, &chunks[c, 0], exc[c, 0], exc[c, 1], n_genes,
+                             scratch, planes, &detail_v[c])
+            if st == OK:
+                a = chunks[c, NNZ_LO]
+                xg = 0
+                for r in range(chunks[c, CELL_LO], chunks[c, CELL_HI]):
+                    s = indptr[r] - a
+                    e = indptr[r + 1] - a
+                    if s < 0 or e < s or e > planes.n:
+                        st = E_CELL_RANGE
+                    else:
+                        st = _decode_cell(planes, s, e, n_genes, idx_out + a + s, &xg)
+                    if st != OK:
+                        detail_v[c] = r
+                        break
+                if st == OK:
+                    xv = 0
+                    _decode_values(planes, 0, planes.n, val_out + a, &xv)
+            status_v[c] = st
+        ZSTD_freeDCtx(dctx)
+        free(scratch)
+        free(planes)
+    _raise_status(status, detail, where)
+
+
+def gather_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
+                const int64_t[::1] indptr, const int64_t[:, ::1] exc, int64_t n_genes,
+                const int64_t[::1] rows, const int64_t[::1] order,
+                const int64_t[::1] group_chunks, const int64_t[::1] group_starts,
+                const int64_t[::1] out_indptr, int32_t[::1] indices, value_t[::1] values,
+                int n_threads, object where):
+    """Decode the cells ``rows`` (any order, repeats allowed) into one CSR.
+
+    Only the chunks listed in ``group_chunks`` are decompressed. ``order`` lists positions of
+    ``rows`` grouped by chunk: group ``g`` is ``order[group_starts[g]:group_starts[g + 1]]``,
+    all in chunk ``group_chunks[g]``. Output row ``j`` goes to
+    ``out_indptr[j]:out_indptr[j + 1]``.
+    """
+    cdef Py_ssize_t n_groups = group_chunks.shape[0]
+    cdef Py_ssize_t g
+    cdef int64_t c, j, k, r, a, s, e, xg, xv, o
+    cdef int st
+    cdef ZSTD_DCtx* dctx
+    cdef uint8_t* scratch
+    cdef Planes* planes
+    cdef int64_t n_cells = indptr.shape[0] - 1
+    cdef int64_t n_out = out_indptr[out_indptr.shape[0] - 1]
+    if indices.shape[0] < n_out or values.shape[0] < n_out:
+        raise ValueError("output buffers are shorter than the gathered nonzeros")
+    status = np.zeros(n_groups, dtype=np.int32)
+    detail = np.zeros(n_groups, dtype=np.int64)
+    cdef int32_t[::1] status_v = status
+    cdef int64_t[::1] detail_v = detail
+    cdef int64_t scratch_size = _max_scratch(chunks, exc, group_chunks)
+    cdef const uint8_t* base = &blob[0]
+    cdef int32_t* idx_out = &indices[0] if indices.shape[0] else NULL
+    cdef value_t* val_out = &values[0] if values.shape[0] else NULL
+    if n_groups == 0:
+        return
+    with nogil, parallel(num_threads=n_threads):
+        dctx = ZSTD_createDCtx()
+        scratch = <uint8_t*>malloc(scratch_size)
+        planes = <Planes*>malloc(sizeof(Planes))
+        for g in prange(n_groups, schedule="dynamic"):
+            if dctx == NULL or scratch == NULL or planes == NULL:
+                status_v[g] = E_NOMEM
+                continue
+            c = group_chunks[g]
+            st = _load_chunk(dctx, base, &chunks[c, 0], exc[c, 0], exc[c, 1], n_genes,
+                             scratch, planes, &detail_v[g])
+            if st == OK:
+                a = chunks[c, NNZ_LO]
+                for k in range(group_starts[g], group_starts[g + 1]):
+                    j = order[k]
+                    r = rows[j]
+                    if r < chunks[c, CELL_LO] or r >= chunks[c, CELL_HI] or r >= n_cells:
+                        st = E_CELL_RANGE
+                        detail_v[g] = r
+                        break
+                    s = indptr[r] - a
+                    e = indptr[r + 1] - a
+                    o = out_indptr[j]
+                    if s < 0 or e < s or e > planes.n or out_indptr[j + 1] - o != e - s:
+                        st = E_CELL_RANGE
+                    else:
+                        xg = _lower_bound(planes.gpos, planes.kg, s)
+                        st = _decode_cell(planes, s, e, n_genes, idx_out + o, &xg)
+                    if st != OK:
+                        detail_v[g] = r
+                        break
+                    xv = _lower_bound(planes.vpos, planes.kv, s)
+                    _decode_values(planes, s, e, val_out + o, &xv)
+            status_v[g] = st
+        ZSTD_freeDCtx(dctx)
+        free(scratch)
+        free(planes)
+    _raise_status(status, detail, where, np.asarray(group_chunks))
+
+
+def decompress_only(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, int n_threads):
+    """Decompress the gaps and values frames of every chunk and do nothing else.
+
+    The speed limit for :func:`decode_into`: the same frames through the same libzstd into a
+    reused per-thread buffer, with no post-processing. Returns the decompressed byte count.
+    """
+    cdef Py_ssize_t n_chunks = chunks.shape[0]
+    cdef Py_ssize_t c
+    cdef int64_t n, total = 0, largest = 8
+    cdef size_t got
+    cdef int failed = 0
+    cdef ZSTD_DCtx* dctx
+    cdef uint8_t* scratch
+    cdef const uint8_t* base = &blob[0]
+    for c in range(n_chunks):
+        largest = max(largest, 4 * (chunks[c, NNZ_HI] - chunks[c, NNZ_LO]))
+    with nogil, parallel(num_threads=n_threads):
+        dctx = ZSTD_createDCtx()
+        scratch = <uint8_t*>malloc(largest)
+        for c in prange(n_chunks, schedule="dynamic"):
+            n = chunks[c, NNZ_HI] - chunks[c, NNZ_LO]
+            got = ZSTD_decompressDCtx(dctx, scratch, 2 * n, base + chunks[c, 4], chunks[c, 5])
+            if ZSTD_isError(got):
+                failed += 1
+            got = ZSTD_decompressDCtx(dctx, scratch + 2 * n, 2 * n, base + chunks[c, 6],
+                                      chunks[c, 7])
+            if ZSTD_isError(got):
+                failed += 1
+            total += 4 * n
+        ZSTD_freeDCtx(dctx)
+        free(scratch)
+    if failed:
+        raise FormatError("zstd decompression failed")
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# CRC-32
+
+
+def crc32_range(const uint8_t[::1] blob, int64_t start, int n_threads) -> int:
+    """zlib CRC-32 of ``blob[start:]``, computed in parallel pieces and combined."""
+    cdef int64_t size = blob.shape[0] - start
+    cdef int64_t n_parts = 1, part, lo, hi, pos, step
+    cdef Py_ssize_t i
+    cdef unsigned long result
+    cdef const uint8_t* base
+    if size <= 0:
+        return 0
+    base = &blob[start]
+    # Pieces of at least 1 MiB: below that, threads cost more than they save.
+    n_parts = max(1, min(n_threads, size // (1 << 20)))
+    part = (size + n_parts - 1) // n_parts
+    crcs = np.zeros(n_parts, dtype=np.uint64)
+    cdef unsigned long long[::1] crcs_v = crcs
+    with nogil:
+        for i in prange(n_parts, num_threads=n_threads, schedule="static"):
+            lo = i * part
+            hi = min(size, lo + part)
+            crcs_v[i] = crc32(0, NULL, 0)
+            pos = lo
+            while pos < hi:
+                step = min(hi - pos, 1 << 30)
+                crcs_v[i] = crc32(crcs_v[i], base + pos, <unsigned int>step)
+                pos = pos + step
+    result = <unsigned long>crcs_v[0]
+    for i in range(1, n_parts):
+        lo = i * part
+        hi = min(size, lo + part)
+        result = crc32_combine(result, <unsigned long>crcs_v[i], <long>(hi - lo))
+    return int(result)
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding
+
+
+def encode_chunks(const int64_t[::1] indptr, const int32_t[::1] indices,
+                  const int32_t[::1] data, const int64_t[::1] bounds, int64_t n_genes,
+                  int level, int n_threads, object where="<matrix>"):
+    """Compress each chunk of a canonical CSR (sorted, unique indices; counts >= 1).
+
+    ``bounds`` holds the cell boundaries of the chunks (length ``n_chunks + 1``).
+
+    Returns
+    -------
+    tuple
+        ``(frames, exceptions)``: a list of ``[gaps, vals, vexc, gexc]`` bytes per chunk
+        (``b""`` where a chunk has no exceptions of that kind), and an ``int64`` array of
+        shape ``(n_chunks, 2)`` with the value and gap exception counts.
+    """
+    cdef Py_ssize_t n_chunks = bounds.shape[0] - 1
+    cdef Py_ssize_t c
+    cdef int64_t lo, hi, a, b, n, i, r, kv, kg, gap, prev, s, e
+    cdef int f, st
+    cdef ZSTD_CCtx* cctx
+    cdef uint8_t* planes
+    cdef uint32_t* vexc
+    cdef uint32_t* gexc
+    cdef size_t cap, got
+    cdef const uint8_t* src
+    cdef int64_t src_size
+    if n_chunks <= 0:
+        return [], np.zeros((0, 2), dtype=np.int64)
+    out_ptr = np.zeros(4 * n_chunks, dtype=np.uintp)
+    out_len = np.zeros(4 * n_chunks, dtype=np.int64)
+    exc = np.zeros((n_chunks, 2), dtype=np.int64)
+    status = np.zeros(n_chunks, dtype=np.int32)
+    detail = np.zeros(n_chunks, dtype=np.int64)
+    cdef size_t[::1] out_ptr_v = out_ptr
+    cdef int64_t[::1] out_len_v = out_len
+    cdef int64_t[:, ::1] exc_v = exc
+    cdef int32_t[::1] status_v = status
+    cdef int64_t[::1] detail_v = detail
+    cdef const int32_t* idx = &indices[0] if indices.shape[0] else NULL
+    cdef const int32_t* val = &data[0] if data.shape[0] else NULL
+    with nogil, parallel(num_threads=n_threads):
+        cctx = ZSTD_createCCtx()
+        for c in prange(n_chunks, schedule="dynamic"):
+            if cctx == NULL:
+                status_v[c] = E_NOMEM
+                continue
+            lo = bounds[c]
+            hi = bounds[c + 1]
+            a = indptr[lo]
+            b = indptr[hi]
+            n = b - a
+            # Pass 1: count exceptions, check the canonical form.
+            kv = 0
+            kg = 0
+            st = OK
+            for r in range(lo, hi):
+                s = indptr[r]
+                e = indptr[r + 1]
+                prev = -1
+                for i in range(s, e):
+                    if idx[i] <= prev or idx[i] >= n_genes:
+                        st = E_ENC_ORDER
+                    gap = idx[i] if i == s else idx[i] - prev
+                    kg = kg + (gap > STREAM_MAX)
+                    prev = idx[i]
+                    kv = kv + (val[i] > STREAM_MAX)
+                    if val[i] < 1:
+                        st = E_ENC_VALUE
+                if st != OK:
+                    detail_v[c] = r
+                    break
+            if st != OK:
+                status_v[c] = st
+                continue
+            planes = <uint8_t*>malloc(4 * n + 8 * (kv + kg) + 8)
+            if planes == NULL:
+                status_v[c] = E_NOMEM
+                continue
+            vexc = <uint32_t*>(planes + 4 * n)
+            gexc = vexc + 2 * kv
+            exc_v[c, 0] = kv
+            exc_v[c, 1] = kg
+            # Pass 2: byte planes and exception lists (positions, then payloads).
+            kv = 0
+            kg = 0
+            for r in range(lo, hi):
+                s = indptr[r]
+                e = indptr[r + 1]
+                prev = 0
+                for i in range(s, e):
+                    gap = idx[i] - prev
+                    prev = idx[i]
+                    if gap > STREAM_MAX:
+                        gexc[kg] = <uint32_t>(i - a)
+                        gexc[exc_v[c, 1] + kg] = <uint32_t>(gap - STREAM_MAX)
+                        kg = kg + 1
+                        gap = STREAM_MAX
+                    planes[i - a] = gap & 0xFF
+                    planes[n + i - a] = gap >> 8
+                    gap = val[i]
+                    if gap > STREAM_MAX:
+                        vexc[kv] = <uint32_t>(i - a)
+                        vexc[exc_v[c, 0] + kv] = <uint32_t>gap
+                        kv = kv + 1
+                        gap = STREAM_MAX
+                    planes[2 * n + i - a] = gap & 0xFF
+                    planes[3 * n + i - a] = gap >> 8
+            for f in range(4):
+                if f < 2:
+                    src = planes + 2 * n * f
+                    src_size = 2 * n
+                elif f == 2:
+                    src = <const uint8_t*>vexc
+                    src_size = 8 * kv
+                else:
+                    src = <const uint8_t*>gexc
+                    src_size = 8 * kg
+                if f >= 2 and src_size == 0:
+                    continue
+                cap = ZSTD_compressBound(<size_t>src_size)
+                out_ptr_v[4 * c + f] = <size_t>malloc(cap)
+                if out_ptr_v[4 * c + f] == 0:
+                    status_v[c] = E_NOMEM
+                    break
+                got = ZSTD_compressCCtx(cctx, <void*>out_ptr_v[4 * c + f], cap, src,
+                                        <size_t>src_size, level)
+                if ZSTD_isError(got):
+                    status_v[c] = E_ENC_COMPRESS
+                    detail_v[c] = f
+                    break
+                out_len_v[4 * c + f] = <int64_t>got
+            free(planes)
+        ZSTD_freeCCtx(cctx)
+    frames = []
+    try:
+        _raise_status(status, detail, where)
+        for c in range(n_chunks):
+            frames.append([
+                PyBytes_FromStringAndSize(<char*>out_ptr_v[4 * c + f], out_len_v[4 * c + f])
+                if out_ptr_v[4 * c + f] else b""
+                for f in range(4)
+            ])
+    finally:
+        for c in range(4 * n_chunks):
+            free(<void*>out_ptr_v[c])
+    return frames, exc

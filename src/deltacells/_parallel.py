@@ -1,0 +1,96 @@
+"""Resolve ``n_threads`` the way scikit-learn does.
+
+``None`` means "as many as OpenMP would use": ``OMP_NUM_THREADS`` when set, otherwise the CPUs
+this process may actually use (its affinity mask and any cgroup CPU quota, so a container limited
+to 2 CPUs on a 64-core host gets 2). A negative count means "all but": ``-1`` is all usable CPUs,
+``-2`` all but one, and so on.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+from pathlib import Path
+
+__all__ = ["effective_n_threads", "usable_cpu_count"]
+
+
+def _cgroup_cpu_limit() -> float | None:
+    """CPU quota of this process's cgroup (v2 ``cpu.max`` or v1 CFS quota), or None."""
+    candidates = [
+        (Path("/sys/fs/cgroup/cpu.max"), None),
+        (Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us")),
+        (Path("/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us"),
+         Path("/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us")),
+    ]  # fmt: skip
+    for quota_path, period_path in candidates:
+        try:
+            if period_path is None:
+                quota, period = quota_path.read_text().split()[:2]
+            else:
+                quota, period = quota_path.read_text().strip(), period_path.read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if quota in ("max", "-1"):
+            return None
+        try:
+            q, p = int(quota), int(period)
+        except ValueError:
+            continue
+        if q > 0 and p > 0:
+            return q / p
+    return None
+
+
+def usable_cpu_count() -> int:
+    """CPUs this process may use: affinity mask, capped by the cgroup quota (at least 1)."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        count = os.cpu_count() or 1
+    limit = _cgroup_cpu_limit()
+    if limit is not None:
+        count = min(count, max(1, math.ceil(limit)))
+    return max(1, count)
+
+
+def _omp_num_threads() -> int | None:
+    value = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    try:
+        n = int(value)
+    except ValueError:
+        return None
+    return n if n > 0 else None
+
+
+def effective_n_threads(n_threads: int | None = None) -> int:
+    """Number of threads to use for ``n_threads``.
+
+    Parameters
+    ----------
+    n_threads
+        ``None`` for the default (``OMP_NUM_THREADS``, else the usable CPUs), a positive count,
+        or a negative count meaning "usable CPUs + 1 + n_threads" (``-1`` is all of them).
+
+    Returns
+    -------
+    int
+        A count of at least 1.
+    """
+    if n_threads is not None:
+        try:
+            n_threads = operator.index(n_threads)
+        except TypeError:
+            raise TypeError(
+                f"n_threads must be an int or None, not {type(n_threads).__name__}"
+            ) from None
+    if n_threads == 0:
+        raise ValueError("n_threads=0 is not allowed; use None for the default or a count >= 1")
+    cpus = usable_cpu_count()
+    if n_threads is None:
+        env = _omp_num_threads()
+        return env if env is not None else cpus
+    if n_threads < 0:
+        return max(1, cpus + 1 + n_threads)
+    return int(n_threads)

@@ -1,0 +1,249 @@
+"""Constants and structure of the deltacells tile format (FORMAT.md, versions 1 and 2).
+
+This module parses and validates the parts of a tile that are not compressed: the 64-byte
+header, the chunk table and the indptr. It does no I/O and does not touch zstd; the Cython
+kernels (:mod:`deltacells._kernels`) check the frames themselves.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "CHUNK_FIELDS",
+    "FORMAT_VERSION",
+    "HEADER_SIZE",
+    "MAGIC",
+    "FormatError",
+    "TileLayout",
+    "chunk_entry_size",
+    "pack_header",
+    "parse_layout",
+]
+
+if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
+    raise ImportError("deltacells tiles are little-endian; big-endian hosts are not supported")
+
+MAGIC = b"DELTACEL"
+#: The version this package writes. Readers accept :data:`READABLE_VERSIONS`.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+HEADER_SIZE = 64
+#: Field names of a version 2 chunk-table entry (each a little-endian uint64).
+CHUNK_FIELDS = (
+    "cell_lo", "cell_hi", "nnz_lo", "nnz_hi",
+    "gaps_off", "gaps_len", "vals_off", "vals_len",
+    "vexc_off", "vexc_len", "gexc_off", "gexc_len",
+)  # fmt: skip
+#: Column index of each chunk field in the (n_chunks, 12) table.
+CELL_LO, CELL_HI, NNZ_LO, NNZ_HI, GAPS_OFF, GAPS_LEN, VALS_OFF, VALS_LEN = range(8)
+VEXC_OFF, VEXC_LEN, GEXC_OFF, GEXC_LEN = range(8, 12)
+MAX_GENES = 2**31
+MAX_GENES_V1 = 65536
+MAX_COUNT = 2**31 - 1
+STREAM_MAX = 65535
+ALIGNMENT = 8
+
+# magic, version, flags, n_cells, nnz, n_genes, n_chunks, indptr_off, total_size, crc32, reserved
+_HEADER = struct.Struct("<8sIIQQIIQQII")
+assert _HEADER.size == HEADER_SIZE
+
+
+class FormatError(ValueError):
+    """A tile, manifest or dataset file breaks the deltacells format.
+
+    Messages name the object (file, URL or ``"<tile>"``), the place inside it (chunk, cell)
+    and the rule that failed.
+    """
+
+
+def chunk_entry_size(version: int) -> int:
+    """Bytes per chunk-table entry: 64 in version 1 (eight fields), 96 in version 2."""
+    return 64 if version == 1 else 96
+
+
+def pack_header(
+    *,
+    n_cells: int,
+    nnz: int,
+    n_genes: int,
+    n_chunks: int,
+    indptr_off: int,
+    total_size: int,
+    crc32: int,
+    version: int = FORMAT_VERSION,
+) -> bytes:
+    """Return the 64-byte tile header for the given fields (flags and reserved are zero)."""
+    return _HEADER.pack(
+        MAGIC, version, 0, n_cells, nnz, n_genes, n_chunks, indptr_off, total_size, crc32, 0
+    )
+
+
+@dataclass(frozen=True)
+class TileLayout:
+    """The validated, uncompressed structure of one tile.
+
+    Attributes
+    ----------
+    version, n_cells, nnz, n_genes, n_chunks, indptr_off, total_size, crc32
+        Header fields.
+    chunks
+        ``int64`` array of shape ``(n_chunks, 12)`` with the fields of :data:`CHUNK_FIELDS`
+        (version 1 tables are widened with zero-length exception frames).
+    indptr
+        ``int64`` array of ``n_cells + 1`` row offsets (a copy, owned by this object).
+    """
+
+    version: int
+    n_cells: int
+    nnz: int
+    n_genes: int
+    n_chunks: int
+    indptr_off: int
+    total_size: int
+    crc32: int
+    chunks: np.ndarray
+    indptr: np.ndarray
+
+
+def _fail(where: str, message: str) -> FormatError:
+    return FormatError(f"{where}: {message}")
+
+
+def parse_layout(buf, where: str = "<tile>") -> TileLayout:
+    """Parse and validate a tile's header, chunk table and indptr.
+
+    Every size read from the header is checked against the length of ``buf`` before
+    anything of that size is allocated. Frame contents are not looked at here.
+
+    Parameters
+    ----------
+    buf
+        The whole tile (any object supporting the buffer protocol).
+    where
+        Name of the tile used in error messages (a path or URL).
+
+    Raises
+    ------
+    FormatError
+        If any structural rule of FORMAT.md is broken.
+    """
+    view = memoryview(buf).cast("B")
+    size = view.nbytes
+    if size < HEADER_SIZE:
+        raise _fail(where, f"truncated: {size} bytes is shorter than the {HEADER_SIZE}-byte header")
+    (magic, version, flags, n_cells, nnz, n_genes, n_chunks, indptr_off, total_size, crc, reserved) = (
+        _HEADER.unpack_from(view, 0)
+    )
+    if magic != MAGIC:
+        raise _fail(where, f"bad magic {magic!r} (expected {MAGIC!r}); not a deltacells tile")
+    if version not in READABLE_VERSIONS:
+        raise _fail(where, f"unsupported tile version {version} (this reader knows 1 and 2)")
+    if flags != 0:
+        raise _fail(where, f"unknown flags 0x{flags:08x} (must be 0)")
+    if reserved != 0:
+        raise _fail(where, f"reserved header field is {reserved} (must be 0)")
+    if total_size != size:
+        raise _fail(where, f"header total_size {total_size} != object size {size} (truncated or padded)")
+    max_genes = MAX_GENES_V1 if version == 1 else MAX_GENES
+    if not 1 <= n_genes <= max_genes:
+        raise _fail(where, f"n_genes {n_genes} outside 1..{max_genes} for version {version}")
+    entry = chunk_entry_size(version)
+    table_end = HEADER_SIZE + entry * n_chunks
+    if table_end > size:
+        raise _fail(where, f"chunk table of {n_chunks} entries runs past the end ({table_end} > {size})")
+    if indptr_off % ALIGNMENT or indptr_off < table_end:
+        raise _fail(
+            where, f"indptr_off {indptr_off} is unaligned or inside the chunk table (ends at {table_end})"
+        )
+    indptr_end = indptr_off + 8 * (n_cells + 1)
+    if indptr_end > size:
+        raise _fail(where, f"indptr of {n_cells} cells runs past the end ({indptr_end} > {size})")
+    if (n_cells == 0) != (n_chunks == 0):
+        raise _fail(where, f"{n_cells} cells in {n_chunks} chunks (a tile has chunks iff it has cells)")
+
+    indptr = np.frombuffer(view, dtype="<i8", count=n_cells + 1, offset=indptr_off).astype(np.int64)
+    if indptr[0] != 0:
+        raise _fail(where, f"indptr[0] is {indptr[0]} (must be 0)")
+    if indptr[-1] != nnz:
+        raise _fail(where, f"indptr[n_cells] is {indptr[-1]} but header nnz is {nnz}")
+    if n_cells:
+        lengths = np.diff(indptr)
+        bad = np.flatnonzero((lengths < 0) | (lengths > n_genes))
+        if bad.size:
+            c = int(bad[0])
+            raise _fail(
+                where,
+                f"indptr: cell {c} has {int(lengths[c])} nonzeros "
+                f"(must be 0..n_genes={n_genes}; indptr must be non-decreasing)",
+            )
+
+    raw = np.frombuffer(view, dtype="<u8", count=n_chunks * entry // 8, offset=HEADER_SIZE)
+    raw = raw.reshape(n_chunks, entry // 8)
+    chunks = np.zeros((n_chunks, 12), dtype=np.int64)
+    if n_chunks:
+        # Anything at or above the object size is out of range, so clipping keeps int64 safe.
+        chunks[:, : raw.shape[1]] = np.minimum(raw, np.uint64(size + 1)).astype(np.int64)
+        _check_chunks(chunks, raw, indptr, n_cells, nnz, indptr_end, size, where)
+    return TileLayout(
+        version=version,
+        n_cells=n_cells,
+        nnz=nnz,
+        n_genes=n_genes,
+        n_chunks=n_chunks,
+        indptr_off=indptr_off,
+        total_size=total_size,
+        crc32=crc,
+        chunks=chunks,
+        indptr=indptr,
+    )
+
+
+def _check_chunks(chunks, raw, indptr, n_cells, nnz, streams_start, size, where) -> None:
+    """Validate chunk-table coverage, indptr agreement and frame locations."""
+    cell_lo, cell_hi = raw[:, CELL_LO], raw[:, CELL_HI]
+    nnz_lo, nnz_hi = raw[:, NNZ_LO], raw[:, NNZ_HI]
+    n_chunks = len(raw)
+    for c in range(n_chunks):
+        lo, hi, a, b = int(cell_lo[c]), int(cell_hi[c]), int(nnz_lo[c]), int(nnz_hi[c])
+        expect_lo = 0 if c == 0 else int(cell_hi[c - 1])
+        expect_a = 0 if c == 0 else int(nnz_hi[c - 1])
+        if lo != expect_lo or a != expect_a:
+            raise _fail(
+                where,
+                f"chunk {c}: starts at cell {lo} / nonzero {a}, expected {expect_lo} / {expect_a} "
+                "(chunks must cover the tile contiguously)",
+            )
+        if hi < lo or hi > n_cells or b < a:
+            raise _fail(where, f"chunk {c}: cells {lo}..{hi} / nonzeros {a}..{b} out of order or range")
+        if int(indptr[lo]) != a or int(indptr[hi]) != b:
+            raise _fail(where, f"chunk {c}: nnz range {a}..{b} disagrees with indptr at cells {lo}, {hi}")
+        if b - a >= 2**32:
+            raise _fail(where, f"chunk {c}: {b - a} nonzeros (a chunk holds fewer than 2^32)")
+    if int(cell_hi[-1]) != n_cells or int(nnz_hi[-1]) != nnz:
+        raise _fail(
+            where,
+            f"last chunk ends at cell {int(cell_hi[-1])} / nonzero {int(nnz_hi[-1])}, "
+            f"expected {n_cells} / {nnz}",
+        )
+    frames = (("gaps", GAPS_OFF, GAPS_LEN), ("vals", VALS_OFF, VALS_LEN),
+              ("vexc", VEXC_OFF, VEXC_LEN), ("gexc", GEXC_OFF, GEXC_LEN))  # fmt: skip
+    for c in range(n_chunks):
+        for name, off_col, len_col in frames:
+            off, length = int(chunks[c, off_col]), int(chunks[c, len_col])
+            if name in ("vexc", "gexc") and length == 0:
+                continue
+            if length == 0:
+                raise _fail(where, f"chunk {c}: {name} frame has length 0 (every chunk has one)")
+            if off % ALIGNMENT:
+                raise _fail(where, f"chunk {c}: {name} frame offset {off} is not 8-byte aligned")
+            if off < streams_start or off + length > size:
+                raise _fail(
+                    where,
+                    f"chunk {c}: {name} frame [{off}, {off + length}) lies outside the stream area "
+                    f"[{streams_start}, {size})",
+                )
