@@ -84,6 +84,7 @@ cdef enum Status:
     E_VEXC_PAYLOAD
     E_GEXC_PAYLOAD
     E_EXC_STORED
+    E_ZERO_COUNT
     E_ENC_ORDER
     E_ENC_VALUE
     E_ENC_COMPRESS
@@ -102,6 +103,7 @@ _MESSAGES = {
     E_VEXC_PAYLOAD: "value exception payload out of 65536..2^31-1 (index {})",
     E_GEXC_PAYLOAD: "gap exception payload out of 1..n_genes-1 (index {})",
     E_EXC_STORED: "exception at chunk position {} where the stored value is not 65535",
+    E_ZERO_COUNT: "stored count of 0 at or after nonzero {} (zeros are never stored)",
     E_ENC_ORDER: "gene indices not strictly increasing or out of range in cell {}",
     E_ENC_VALUE: "count outside 1..2^31-1 in cell {}",
     E_ENC_COMPRESS: "zstd compression failed (stream {})",
@@ -331,16 +333,23 @@ cdef int _decode_cell(const Planes* p, int64_t s, int64_t e, int64_t n_genes,
     return OK
 
 
-cdef void _decode_values(const Planes* p, int64_t s, int64_t e, value_t* out,
-                         int64_t* xcursor) noexcept nogil:
-    """Counts of the nonzeros s..e of a chunk into out[0 : e - s], exceptions applied."""
+cdef int _decode_values(const Planes* p, int64_t s, int64_t e, value_t* out,
+                        int64_t* xcursor) noexcept nogil:
+    """Counts of the nonzeros s..e of a chunk into out[0 : e - s], exceptions applied.
+
+    Returns E_ZERO_COUNT if a stored count is 0 (exceptions never are: they were validated).
+    """
     cdef int64_t i, x = xcursor[0]
+    cdef uint32_t v, smallest = STREAM_MAX
     for i in range(s, e):
-        out[i - s] = <value_t>(p.vlo[i] | (<uint32_t>p.vhi[i] << 8))
+        v = p.vlo[i] | (<uint32_t>p.vhi[i] << 8)
+        smallest = v if v < smallest else smallest
+        out[i - s] = <value_t>v
     while x < p.kv and p.vpos[x] < e:
         out[p.vpos[x] - s] = <value_t>p.vpay[x]
         x += 1
     xcursor[0] = x
+    return E_ZERO_COUNT if smallest == 0 else OK
 
 
 cdef int64_t _max_scratch(const int64_t[:, ::1] chunks, const int64_t[:, ::1] exc, object ids):
@@ -404,7 +413,12 @@ def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
                         break
                 if st == OK:
                     xv = 0
-                    _decode_values(planes, 0, planes.n, val_out + a, &xv)
+                    st = _decode_values(planes, 0, planes.n, val_out + a, &xv)
+                    if st != OK:
+                        # Name the first zero count (rare path: the tile is bad).
+                        for s in range(planes.n - 1, -1, -1):
+                            if val_out[a + s] == 0:
+                                detail_v[c] = s
             status_v[c] = st
         ZSTD_freeDCtx(dctx)
         free(scratch)
@@ -475,10 +489,13 @@ def gather_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
                         xg = _lower_bound(planes.gpos, planes.kg, s)
                         st = _decode_cell(planes, s, e, n_genes, idx_out + o, &xg)
                     if st != OK:
-                        detail_v[g] = r
+                        detail_v[g] = s
                         break
                     xv = _lower_bound(planes.vpos, planes.kv, s)
-                    _decode_values(planes, s, e, val_out + o, &xv)
+                    st = _decode_values(planes, s, e, val_out + o, &xv)
+                    if st != OK:
+                        detail_v[g] = s
+                        break
             status_v[g] = st
         ZSTD_freeDCtx(dctx)
         free(scratch)

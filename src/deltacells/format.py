@@ -186,9 +186,13 @@ def parse_layout(buf, where: str = "<tile>") -> TileLayout:
     raw = raw.reshape(n_chunks, entry // 8)
     chunks = np.zeros((n_chunks, 12), dtype=np.int64)
     if n_chunks:
-        # Anything at or above the object size is out of range, so clipping keeps int64 safe.
-        chunks[:, : raw.shape[1]] = np.minimum(raw, np.uint64(size + 1)).astype(np.int64)
-        _check_chunks(chunks, raw, indptr, n_cells, nnz, indptr_end, size, where)
+        _check_coverage(raw, indptr, n_cells, nnz, where)
+        # Cell and nonzero fields are now known to be <= n_cells / nnz. Frame offsets and
+        # lengths at or above the object size are out of range anyway, so clipping them keeps
+        # int64 safe without changing the verdict.
+        chunks[:, :4] = raw[:, :4].astype(np.int64)
+        chunks[:, 4 : raw.shape[1]] = np.minimum(raw[:, 4:], np.uint64(size + 1)).astype(np.int64)
+        _check_frame_locations(chunks, indptr_end, size, where)
     return TileLayout(
         version=version,
         n_cells=n_cells,
@@ -203,8 +207,8 @@ def parse_layout(buf, where: str = "<tile>") -> TileLayout:
     )
 
 
-def _check_chunks(chunks, raw, indptr, n_cells, nnz, streams_start, size, where) -> None:
-    """Validate chunk-table coverage, indptr agreement and frame locations."""
+def _check_coverage(raw, indptr, n_cells, nnz, where) -> None:
+    """Chunks must cover the cells and nonzeros contiguously and agree with indptr."""
     cell_lo, cell_hi = raw[:, CELL_LO], raw[:, CELL_HI]
     nnz_lo, nnz_hi = raw[:, NNZ_LO], raw[:, NNZ_HI]
     n_chunks = len(raw)
@@ -230,6 +234,11 @@ def _check_chunks(chunks, raw, indptr, n_cells, nnz, streams_start, size, where)
             f"last chunk ends at cell {int(cell_hi[-1])} / nonzero {int(nnz_hi[-1])}, "
             f"expected {n_cells} / {nnz}",
         )
+
+
+def _check_frame_locations(chunks, streams_start, size, where) -> None:
+    """Every frame lies inside the stream area, 8-byte aligned; gaps and vals always exist."""
+    n_chunks = len(chunks)
     frames = (("gaps", GAPS_OFF, GAPS_LEN), ("vals", VALS_OFF, VALS_LEN),
               ("vexc", VEXC_OFF, VEXC_LEN), ("gexc", GEXC_OFF, GEXC_LEN))  # fmt: skip
     for c in range(n_chunks):

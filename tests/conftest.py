@@ -1,0 +1,42 @@
+"""Shared fixtures: the real datasets in ../shared/data, loaded once per session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
+
+DATA_DIR = TESTS.parent.parent / "shared" / "data"
+DATASETS = ("liao2020_balf", "chung2017_smartseq2", "visium_multisample")
+
+
+def load_counts(name: str) -> sp.csr_matrix:
+    """X of a real dataset as int32 CSR (fails loudly if ../shared/data is missing)."""
+    path = DATA_DIR / f"{name}.h5ad"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: the tests need ../shared/data beside the repo")
+    return sp.csr_matrix(ad.read_h5ad(path).X)
+
+
+def sort_genes_by_total(matrix: sp.csr_matrix) -> tuple[sp.csr_matrix, np.ndarray]:
+    """Columns by decreasing total counts (stable), as the converter stores them."""
+    totals = np.asarray(matrix.sum(axis=0)).ravel()
+    order = np.argsort(-totals, kind="stable")
+    return sp.csr_matrix(matrix[:, order]), order
+
+
+@pytest.fixture(scope="session")
+def real_counts() -> dict[str, sp.csr_matrix]:
+    return {name: load_counts(name) for name in DATASETS}
+
+
+@pytest.fixture(scope="session")
+def liao(real_counts) -> sp.csr_matrix:
+    return real_counts["liao2020_balf"]

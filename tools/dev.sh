@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Set-up and the project's jobs in one place; every job first makes sure the environment exists.
+#   bash tools/dev.sh demo   convert real data, read it back, slice it, print sizes and speeds
+#   bash tools/dev.sh test   lint + the test suite (what CI runs)
+#   bash tools/dev.sh bench  the benchmarks (JSON + plots under benchmarks/results and docs/)
+#   bash tools/dev.sh docs   build the Sphinx docs into docs/_build/html
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="${DELTACELLS_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+SYSTEM_PACKAGES="libzstd-dev zlib1g-dev pkg-config"
+
+ensure_system_libraries() {
+  if command -v pkg-config >/dev/null 2>&1 && pkg-config --exists libzstd zlib; then
+    return
+  fi
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "deltacells: installing $SYSTEM_PACKAGES with apt-get" >&2
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $SYSTEM_PACKAGES >/dev/null
+  else
+    echo "deltacells: building needs the libzstd and zlib headers and pkg-config." >&2
+    echo "Install them, then run this again:  sudo apt-get install $SYSTEM_PACKAGES" >&2
+    exit 1
+  fi
+}
+
+ensure_environment() {
+  ensure_system_libraries
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+  fi
+  local stamp="$VENV/.deltacells-installed"
+  local wanted
+  wanted="$(cat pyproject.toml meson.build src/deltacells/meson.build | sha256sum | cut -d' ' -f1)"
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ] \
+     || ! "$VENV/bin/python" -c "import deltacells" >/dev/null 2>&1; then
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    # Build requirements first: the editable install uses this environment, not an isolated one.
+    "$VENV/bin/python" -m pip install -q "meson-python>=0.15" "meson>=1.1" ninja "cython>=3.0.8" numpy
+    "$VENV/bin/python" -m pip install -q --no-build-isolation -e ".[dev]"
+    echo "$wanted" > "$stamp"
+  fi
+}
+
+job="${1:-}"
+shift || true
+case "$job" in
+  demo)
+    ensure_environment
+    "$VENV/bin/python" tools/demo.py "$@"
+    ;;
+  test)
+    ensure_environment
+    "$VENV/bin/ruff" check src tests benchmarks tools docs
+    "$VENV/bin/cython-lint" src/deltacells/*.pyx src/deltacells/*.pxd
+    "$VENV/bin/python" -m pytest "$@"
+    ;;
+  bench)
+    ensure_environment
+    for script in benchmarks/bench_*.py; do "$VENV/bin/python" "$script" "$@"; done
+    ;;
+  docs)
+    ensure_environment
+    "$VENV/bin/python" -m sphinx -q -b html docs docs/_build/html
+    ;;
+  *)
+    echo "usage: bash tools/dev.sh {demo|test|bench|docs} [args...]" >&2
+    exit 2
+    ;;
+esac
