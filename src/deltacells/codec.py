@@ -28,6 +28,7 @@ from deltacells.format import (
     TileLayout,
     chunk_entry_size,
     pack_header,
+    parse_header,
     parse_layout,
 )
 
@@ -301,13 +302,15 @@ class Tile:
             buf = np.ascontiguousarray(buf).view(np.uint8).reshape(-1)
         self.name = name
         self._buf = buf
-        self.layout: TileLayout = parse_layout(buf, name)
+        header = parse_header(buf, name)
         if verify_crc:
+            # Before the structure: damage anywhere is then reported as what it is.
             crc = _kernels.crc32_range(buf, HEADER_SIZE, effective_n_threads(n_threads))
-            if crc != self.layout.crc32:
+            if crc != header.crc32:
                 raise FormatError(
-                    f"{name}: CRC-32 mismatch (stored {self.layout.crc32:08x}, computed {crc:08x})"
+                    f"{name}: CRC-32 mismatch (stored {header.crc32:08x}, computed {crc:08x})"
                 )
+        self.layout: TileLayout = parse_layout(buf, name, header)
         self._exceptions = _kernels.check_frames(buf, self.layout.chunks, name)
 
     @property

@@ -19,9 +19,11 @@ __all__ = [
     "HEADER_SIZE",
     "MAGIC",
     "FormatError",
+    "TileHeader",
     "TileLayout",
     "chunk_entry_size",
     "pack_header",
+    "parse_header",
     "parse_layout",
 ]
 
@@ -114,23 +116,25 @@ def _fail(where: str, message: str) -> FormatError:
     return FormatError(f"{where}: {message}")
 
 
-def parse_layout(buf, where: str = "<tile>") -> TileLayout:
-    """Parse and validate a tile's header, chunk table and indptr.
+@dataclass(frozen=True)
+class TileHeader:
+    """The 64-byte header of a tile, checked on its own (see :func:`parse_header`)."""
 
-    Every size read from the header is checked against the length of ``buf`` before
-    anything of that size is allocated. Frame contents are not looked at here.
+    version: int
+    n_cells: int
+    nnz: int
+    n_genes: int
+    n_chunks: int
+    indptr_off: int
+    total_size: int
+    crc32: int
 
-    Parameters
-    ----------
-    buf
-        The whole tile (any object supporting the buffer protocol).
-    where
-        Name of the tile used in error messages (a path or URL).
 
-    Raises
-    ------
-    FormatError
-        If any structural rule of FORMAT.md is broken.
+def parse_header(buf, where: str = "<tile>") -> TileHeader:
+    """Parse and check the header alone: magic, version, flags, object size, n_genes.
+
+    These are the checks that must pass before the CRC (which covers everything after the
+    header) can even be computed; :func:`parse_layout` does the rest.
     """
     view = memoryview(buf).cast("B")
     size = view.nbytes
@@ -152,6 +156,34 @@ def parse_layout(buf, where: str = "<tile>") -> TileLayout:
     max_genes = MAX_GENES_V1 if version == 1 else MAX_GENES
     if not 1 <= n_genes <= max_genes:
         raise _fail(where, f"n_genes {n_genes} outside 1..{max_genes} for version {version}")
+    return TileHeader(version, n_cells, nnz, n_genes, n_chunks, indptr_off, total_size, crc)
+
+
+def parse_layout(buf, where: str = "<tile>", header: TileHeader | None = None) -> TileLayout:
+    """Parse and validate a tile's header, chunk table and indptr.
+
+    Every size read from the header is checked against the length of ``buf`` before
+    anything of that size is allocated. Frame contents are not looked at here.
+
+    Parameters
+    ----------
+    buf
+        The whole tile (any object supporting the buffer protocol).
+    where
+        Name of the tile used in error messages (a path or URL).
+    header
+        The result of :func:`parse_header` on ``buf``, if already computed.
+
+    Raises
+    ------
+    FormatError
+        If any structural rule of FORMAT.md is broken.
+    """
+    view = memoryview(buf).cast("B")
+    size = view.nbytes
+    h = header if header is not None else parse_header(view, where)
+    version, n_cells, nnz, n_genes = h.version, h.n_cells, h.nnz, h.n_genes
+    n_chunks, indptr_off, total_size, crc = h.n_chunks, h.indptr_off, h.total_size, h.crc32
     entry = chunk_entry_size(version)
     table_end = HEADER_SIZE + entry * n_chunks
     if table_end > size:
@@ -187,12 +219,12 @@ def parse_layout(buf, where: str = "<tile>") -> TileLayout:
     chunks = np.zeros((n_chunks, 12), dtype=np.int64)
     if n_chunks:
         _check_coverage(raw, indptr, n_cells, nnz, where)
-        # Cell and nonzero fields are now known to be <= n_cells / nnz. Frame offsets and
-        # lengths at or above the object size are out of range anyway, so clipping them keeps
-        # int64 safe without changing the verdict.
-        chunks[:, :4] = raw[:, :4].astype(np.int64)
-        chunks[:, 4 : raw.shape[1]] = np.minimum(raw[:, 4:], np.uint64(size + 1)).astype(np.int64)
-        _check_frame_locations(chunks, indptr_end, size, where)
+        _check_frame_locations(raw, indptr_end, size, where)
+        # Every field is now known to be at most nnz or the object size, so int64 is safe.
+        chunks[:, : raw.shape[1]] = raw.astype(np.int64)
+        if raw.shape[1] == 12:
+            absent = chunks[:, [VEXC_LEN, GEXC_LEN]] == 0
+            chunks[:, [VEXC_OFF, GEXC_OFF]] = np.where(absent, 0, chunks[:, [VEXC_OFF, GEXC_OFF]])
     return TileLayout(
         version=version,
         n_cells=n_cells,
@@ -236,23 +268,21 @@ def _check_coverage(raw, indptr, n_cells, nnz, where) -> None:
         )
 
 
-def _check_frame_locations(chunks, streams_start, size, where) -> None:
+def _check_frame_locations(raw, streams_start, size, where) -> None:
     """Every frame lies inside the stream area, 8-byte aligned; gaps and vals always exist."""
-    n_chunks = len(chunks)
-    frames = (("gaps", GAPS_OFF, GAPS_LEN), ("vals", VALS_OFF, VALS_LEN),
-              ("vexc", VEXC_OFF, VEXC_LEN), ("gexc", GEXC_OFF, GEXC_LEN))  # fmt: skip
-    for c in range(n_chunks):
-        for name, off_col, len_col in frames:
-            off, length = int(chunks[c, off_col]), int(chunks[c, len_col])
-            if name in ("vexc", "gexc") and length == 0:
-                continue
+    names = ("gaps", "vals", "vexc", "gexc")[: (raw.shape[1] - 4) // 2]
+    for c in range(len(raw)):
+        for f, name in enumerate(names):
+            off, length = int(raw[c, 4 + 2 * f]), int(raw[c, 5 + 2 * f])
+            if f >= 2 and length == 0:
+                continue  # no exceptions of this kind; the offset is ignored
             if length == 0:
                 raise _fail(where, f"chunk {c}: {name} frame has length 0 (every chunk has one)")
-            if off % ALIGNMENT:
-                raise _fail(where, f"chunk {c}: {name} frame offset {off} is not 8-byte aligned")
             if off < streams_start or off + length > size:
                 raise _fail(
                     where,
                     f"chunk {c}: {name} frame [{off}, {off + length}) lies outside the stream area "
                     f"[{streams_start}, {size})",
                 )
+            if off % ALIGNMENT:
+                raise _fail(where, f"chunk {c}: {name} frame offset {off} is not 8-byte aligned")
