@@ -93,6 +93,9 @@ def canonical_csr(matrix: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, tupl
         gene that has one.
     """
     if sp.issparse(matrix):
+        if matrix.format != "csr" and matrix.dtype.kind in "biu" and matrix.dtype.itemsize < 8:
+            # tocsr() sums duplicates in the input dtype; widen first so sums cannot wrap.
+            matrix = matrix.astype(np.int64)
         csr = matrix.tocsr()
         # tocsr() returns the input itself for CSR input; never modify the caller's matrix.
         if csr is matrix and not csr.has_canonical_format:
@@ -101,6 +104,8 @@ def canonical_csr(matrix: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, tupl
         dense = np.asarray(matrix)
         if dense.ndim != 2:
             raise ValueError(f"expected a 2-D matrix, got an array of shape {dense.shape}")
+        if dense.dtype.kind not in "biuf":
+            raise ValueError(f"counts must be integers or floats, not {dense.dtype}")
         csr = sp.csr_matrix(dense)
     n_cells, n_genes = csr.shape
     if not 1 <= n_genes <= MAX_GENES:

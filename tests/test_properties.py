@@ -1,0 +1,114 @@
+"""Property tests: Hypothesis-made count matrices round-trip exactly, scipy as the oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import deltacells as dc
+
+GENE_COUNTS = [1, 2, 17, 300, 65535, 65536, 65537, 200_000]
+SPECIAL_COUNTS = np.array([1, 2, 255, 256, 65535, 65536, 65537, 2**24, 2**31 - 1])
+
+
+@st.composite
+def count_matrices(draw) -> sp.csr_matrix:
+    """Sparse int64 count matrices: empty cells, wide rows, counts at the uint16 edges."""
+    n_cells = draw(st.integers(0, 40))
+    n_genes = draw(st.sampled_from(GENE_COUNTS))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    per_cell = draw(st.sampled_from([0, 1, 3, 30, 200]))
+    rows, cols = [], []
+    for r in range(n_cells):
+        if rng.random() < 0.2:
+            continue  # an empty cell
+        k = min(n_genes, int(rng.integers(0, per_cell + 1)))
+        genes = rng.choice(n_genes, size=k, replace=False) if k else []
+        rows += [r] * k
+        cols += list(genes)
+    nnz = len(rows)
+    values = rng.integers(1, 40, nnz)
+    special = rng.random(nnz) < draw(st.sampled_from([0.0, 0.01, 0.2]))
+    values[special] = rng.choice(SPECIAL_COUNTS, int(special.sum()))
+    return sp.csr_matrix((values, (rows, cols)), shape=(n_cells, n_genes), dtype=np.int64)
+
+
+def assert_equal_csr(decoded: sp.csr_matrix, expected: sp.csr_matrix) -> None:
+    expected = expected.tocsr()
+    expected.sort_indices()
+    assert decoded.shape == expected.shape
+    np.testing.assert_array_equal(decoded.indptr, expected.indptr)
+    np.testing.assert_array_equal(decoded.indices, expected.indices)
+    np.testing.assert_array_equal(decoded.data, expected.data)
+
+
+PROFILE = settings(
+    max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+@PROFILE
+@given(matrix=count_matrices(), n_chunks=st.sampled_from([1, 2, 8, 64]))
+def test_round_trip(matrix, n_chunks):
+    policy_limit = max(1024, matrix.nnz // 200)
+    if np.count_nonzero(matrix.data > 65535) > policy_limit:
+        return  # the writer refuses such tiles; covered by test_encode_errors
+    blob = dc.encode_tile(matrix, n_chunks=n_chunks, level=1)
+    tile = dc.Tile(blob)
+    assert tile.n_chunks == min(n_chunks, matrix.shape[0]) or tile.n_chunks <= n_chunks
+    assert_equal_csr(tile.decode(np.int32), matrix)
+    assert_equal_csr(tile.decode(np.float64, n_threads=1).astype(np.int64), matrix)
+    if matrix.shape[0]:
+        rows = np.random.default_rng(0).integers(0, matrix.shape[0], 25)
+        assert_equal_csr(tile.gather(rows, np.int32, n_threads=2), matrix[rows])
+
+
+@PROFILE
+@given(matrix=count_matrices())
+def test_same_bytes_for_any_thread_count(matrix):
+    if np.count_nonzero(matrix.data > 65535) > max(1024, matrix.nnz // 200):
+        return
+    blobs = {dc.encode_tile(matrix, n_chunks=8, n_threads=n) for n in (1, 2, 4)}
+    assert len(blobs) == 1
+
+
+def test_several_gap_exceptions_in_one_cell():
+    # 250k genes, one cell touching genes far apart: three gaps above 65535.
+    genes = [5, 70_000, 140_001, 210_002]
+    matrix = sp.csr_matrix(([3, 1, 65536, 2], ([0, 0, 0, 0], genes)), shape=(2, 250_000))
+    tile = dc.Tile(dc.encode_tile(matrix))
+    assert tile.exception_counts.sum(axis=0).tolist() == [1, 3]
+    assert_equal_csr(tile.decode(np.int32), matrix)
+
+
+def test_realistic_wide_matrix_with_gap_exceptions():
+    # 150k genes at a realistic 1% density in source order: gaps above 65535 are rare.
+    rng = np.random.default_rng(7)
+    matrix = sp.random(300, 150_000, density=0.01, format="csr", random_state=rng)
+    matrix.data = np.ceil(matrix.data * 5).astype(np.int64)
+    matrix[0, :] = 0
+    matrix[0, 0] = 1
+    matrix[0, 149_999] = 1
+    matrix.eliminate_zeros()
+    tile = dc.Tile(dc.encode_tile(matrix))
+    assert tile.exception_counts[:, 1].sum() == 1  # cell 0's jump from gene 0 to 149,999
+    assert_equal_csr(tile.decode(np.int32), matrix)
+
+
+def test_zero_cells_and_all_empty_tiles():
+    for shape in [(0, 5), (7, 5), (3, 1)]:
+        matrix = sp.csr_matrix(shape, dtype=np.int64)
+        tile = dc.Tile(dc.encode_tile(matrix))
+        assert tile.shape == shape and tile.nnz == 0
+        assert tile.n_chunks == min(8, shape[0])
+        assert_equal_csr(tile.decode(np.int32), matrix)
+
+
+def test_many_chunks_few_rows():
+    matrix = sp.csr_matrix(np.array([[0, 2, 0], [1, 0, 1], [0, 0, 0]]))
+    tile = dc.Tile(dc.encode_tile(matrix, n_chunks=100))
+    assert tile.n_chunks == 3
+    assert_equal_csr(tile.decode(np.int32), matrix)
