@@ -121,7 +121,9 @@ def test_crc_switch(blob):
     damaged = bytearray(blob)
     struct.pack_into("<I", damaged, 56, 0xDEADBEEF)
     rejects(bytes(damaged), "CRC-32 mismatch")
-    assert (dc.Tile(bytes(damaged), verify_crc=False).decode(np.int32) != exception_matrix()).nnz == 0
+    assert (
+        dc.Tile(bytes(damaged), verify_crc=False).decode(np.int32) != exception_matrix()
+    ).nnz == 0
 
 
 # --- header -----------------------------------------------------------------------------------

@@ -84,12 +84,21 @@ def reference_tile(csr: sp.csr_matrix, bounds: list[int], version: int) -> bytes
         out[offset : offset + len(frame)] = frame
     crc = zlib.crc32(bytes(out[64:]))
     HEADER.pack_into(
-        out, 0, MAGIC, version, 0, n_cells, int(indptr[-1]), n_genes, n_chunks, indptr_off, pos,
-        crc, 0,
+        out,
+        0,
+        MAGIC,
+        version,
+        0,
+        n_cells,
+        int(indptr[-1]),
+        n_genes,
+        n_chunks,
+        indptr_off,
+        pos,
+        crc,
+        0,
     )
     return bytes(out)
-
-
 
 
 def read_header(blob: bytes) -> dict:
@@ -162,7 +171,9 @@ def exception_frame(positions, payloads) -> bytes:
     return zframe(data.tobytes())
 
 
-def random_counts(rng: np.random.Generator, n_cells: int, n_genes: int, density: float) -> sp.csr_matrix:
+def random_counts(
+    rng: np.random.Generator, n_cells: int, n_genes: int, density: float
+) -> sp.csr_matrix:
     """A random integer count matrix (int64 CSR) with a few large counts."""
     m = sp.random(n_cells, n_genes, density=density, format="csr", random_state=rng)
     m.data = np.ceil(m.data * 20).astype(np.int64)

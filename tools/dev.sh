@@ -9,6 +9,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 VENV="${DELTACELLS_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
+export PATH="$VENV/bin:$PATH"  # tools such as cython-lint call pycodestyle by name
 SYSTEM_PACKAGES="libzstd-dev zlib1g-dev pkg-config"
 
 ensure_system_libraries() {

@@ -305,28 +305,34 @@ cdef int _decode_cell(const Planes* p, int64_t s, int64_t e, int64_t n_genes,
 
     ``xcursor`` indexes the first gap exception at or after ``s``; it is advanced past ``e``.
     """
+    # Local copies: the compiler cannot assume stores to out leave p's fields alone.
+    cdef const uint8_t* glo = p.glo
+    cdef const uint8_t* ghi = p.ghi
+    cdef const uint32_t* gpos = p.gpos
+    cdef int64_t kg = p.kg
     cdef int64_t g = 0, i, q, x = xcursor[0]
     cdef int64_t zeros = 0
     cdef uint32_t gap
-    cdef int64_t p_ = s
+    cdef int64_t start = s
+    cdef int32_t* dst = out - s
     if s == e:
         return OK
-    while p_ < e:
-        if x < p.kg and p.gpos[x] == p_:
+    while start < e:
+        if x < kg and gpos[x] == start:
             g += p.gpay[x]
             x += 1
         q = e
-        if x < p.kg and p.gpos[x] < e:
-            q = p.gpos[x]
-        for i in range(p_, q):
-            gap = p.glo[i] | (<uint32_t>p.ghi[i] << 8)
+        if x < kg and gpos[x] < e:
+            q = gpos[x]
+        for i in range(start, q):
+            gap = glo[i] | (<uint32_t>ghi[i] << 8)
             zeros += gap == 0
             g += gap
-            out[i - s] = <int32_t>g
-        p_ = q
+            dst[i] = <int32_t>g
+        start = q
     xcursor[0] = x
     # The first gap of a cell is its first gene and may be 0; any later zero is a duplicate.
-    if zeros - ((p.glo[s] | p.ghi[s]) == 0) > 0:
+    if zeros - ((glo[s] | ghi[s]) == 0) > 0:
         return E_ZERO_GAP
     if g >= n_genes:  # indices increase within a cell, so the last one is the largest
         return E_GENE_RANGE
@@ -339,12 +345,15 @@ cdef int _decode_values(const Planes* p, int64_t s, int64_t e, value_t* out,
 
     Returns E_ZERO_COUNT if a stored count is 0 (exceptions never are: they were validated).
     """
+    cdef const uint8_t* vlo = p.vlo
+    cdef const uint8_t* vhi = p.vhi
+    cdef value_t* dst = out - s
     cdef int64_t i, x = xcursor[0]
     cdef uint32_t v, smallest = STREAM_MAX
     for i in range(s, e):
-        v = p.vlo[i] | (<uint32_t>p.vhi[i] << 8)
+        v = vlo[i] | (<uint32_t>vhi[i] << 8)
         smallest = v if v < smallest else smallest
-        out[i - s] = <value_t>v
+        dst[i] = <value_t>v
     while x < p.kv and p.vpos[x] < e:
         out[p.vpos[x] - s] = <value_t>p.vpay[x]
         x += 1

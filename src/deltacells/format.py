@@ -140,9 +140,19 @@ def parse_header(buf, where: str = "<tile>") -> TileHeader:
     size = view.nbytes
     if size < HEADER_SIZE:
         raise _fail(where, f"truncated: {size} bytes is shorter than the {HEADER_SIZE}-byte header")
-    (magic, version, flags, n_cells, nnz, n_genes, n_chunks, indptr_off, total_size, crc, reserved) = (
-        _HEADER.unpack_from(view, 0)
-    )
+    (
+        magic,
+        version,
+        flags,
+        n_cells,
+        nnz,
+        n_genes,
+        n_chunks,
+        indptr_off,
+        total_size,
+        crc,
+        reserved,
+    ) = _HEADER.unpack_from(view, 0)
     if magic != MAGIC:
         raise _fail(where, f"bad magic {magic!r} (expected {MAGIC!r}); not a deltacells tile")
     if version not in READABLE_VERSIONS:
@@ -152,7 +162,9 @@ def parse_header(buf, where: str = "<tile>") -> TileHeader:
     if reserved != 0:
         raise _fail(where, f"reserved header field is {reserved} (must be 0)")
     if total_size != size:
-        raise _fail(where, f"header total_size {total_size} != object size {size} (truncated or padded)")
+        raise _fail(
+            where, f"header total_size {total_size} != object size {size} (truncated or padded)"
+        )
     max_genes = MAX_GENES_V1 if version == 1 else MAX_GENES
     if not 1 <= n_genes <= max_genes:
         raise _fail(where, f"n_genes {n_genes} outside 1..{max_genes} for version {version}")
@@ -187,16 +199,21 @@ def parse_layout(buf, where: str = "<tile>", header: TileHeader | None = None) -
     entry = chunk_entry_size(version)
     table_end = HEADER_SIZE + entry * n_chunks
     if table_end > size:
-        raise _fail(where, f"chunk table of {n_chunks} entries runs past the end ({table_end} > {size})")
+        raise _fail(
+            where, f"chunk table of {n_chunks} entries runs past the end ({table_end} > {size})"
+        )
     if indptr_off % ALIGNMENT or indptr_off < table_end:
         raise _fail(
-            where, f"indptr_off {indptr_off} is unaligned or inside the chunk table (ends at {table_end})"
+            where,
+            f"indptr_off {indptr_off} is unaligned or inside the chunk table (ends at {table_end})",
         )
     indptr_end = indptr_off + 8 * (n_cells + 1)
     if indptr_end > size:
         raise _fail(where, f"indptr of {n_cells} cells runs past the end ({indptr_end} > {size})")
     if (n_cells == 0) != (n_chunks == 0):
-        raise _fail(where, f"{n_cells} cells in {n_chunks} chunks (a tile has chunks iff it has cells)")
+        raise _fail(
+            where, f"{n_cells} cells in {n_chunks} chunks (a tile has chunks iff it has cells)"
+        )
 
     indptr = np.frombuffer(view, dtype="<i8", count=n_cells + 1, offset=indptr_off).astype(np.int64)
     if indptr[0] != 0:
@@ -255,9 +272,13 @@ def _check_coverage(raw, indptr, n_cells, nnz, where) -> None:
                 "(chunks must cover the tile contiguously)",
             )
         if hi < lo or hi > n_cells or b < a:
-            raise _fail(where, f"chunk {c}: cells {lo}..{hi} / nonzeros {a}..{b} out of order or range")
+            raise _fail(
+                where, f"chunk {c}: cells {lo}..{hi} / nonzeros {a}..{b} out of order or range"
+            )
         if int(indptr[lo]) != a or int(indptr[hi]) != b:
-            raise _fail(where, f"chunk {c}: nnz range {a}..{b} disagrees with indptr at cells {lo}, {hi}")
+            raise _fail(
+                where, f"chunk {c}: nnz range {a}..{b} disagrees with indptr at cells {lo}, {hi}"
+            )
         if b - a >= 2**32:
             raise _fail(where, f"chunk {c}: {b - a} nonzeros (a chunk holds fewer than 2^32)")
     if int(cell_hi[-1]) != n_cells or int(nnz_hi[-1]) != nnz:

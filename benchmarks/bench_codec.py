@@ -1,0 +1,265 @@
+"""Tile codec benchmark: size, encode and decode speed, next to anndata and plain zstd.
+
+    python benchmarks/bench_codec.py [--data ../shared/data/liao2020_balf.h5ad] [--repeats 7]
+
+Writes ``benchmarks/results/codec.json`` and ``docs/_static/bench_codec.png`` and prints tables.
+Everything is measured in this one run on this machine; medians of ``--repeats`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import anndata as ad
+import h5py
+import numpy as np
+import scipy.sparse as sp
+import zstandard
+
+import deltacells as dc
+from deltacells import _kernels
+from deltacells.codec import DEFAULT_LEVEL
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def machine() -> dict:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "usable_cpus": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "libzstd": _kernels.zstd_version(),
+        "openmp": _kernels.openmp_enabled(),
+        "deltacells": dc.__version__,
+        "anndata": ad.__version__ if hasattr(ad, "__version__") else "",
+        "zstandard": zstandard.__version__,
+    }
+
+
+def anndata_x_sizes(matrix: sp.csr_matrix, workdir: Path) -> dict:
+    """Stored bytes of X written by anndata as gzip h5ad and as zarr (defaults), and times."""
+    adata = ad.AnnData(X=matrix)
+    h5 = workdir / "x.h5ad"
+    t0 = time.perf_counter()
+    adata.write_h5ad(h5, compression="gzip")
+    h5_time = time.perf_counter() - t0
+    with h5py.File(h5) as f:
+        h5_bytes = sum(f["X"][k].id.get_storage_size() for k in ("data", "indices", "indptr"))
+    zarr_path = workdir / "x.zarr"
+    t0 = time.perf_counter()
+    adata.write_zarr(zarr_path)
+    zarr_time = time.perf_counter() - t0
+    zarr_bytes = sum(p.stat().st_size for p in (zarr_path / "X").rglob("*") if p.is_file())
+    return {
+        "h5ad_gzip_x_bytes": h5_bytes,
+        "h5ad_gzip_write_s": h5_time,
+        "zarr_x_bytes": zarr_bytes,
+        "zarr_write_s": zarr_time,
+    }
+
+
+def tiles_of(matrix: sp.csr_matrix, size: int | None, level: int, n_threads: int) -> list[bytes]:
+    if size is None:
+        return [dc.encode_tile(matrix, level=level, n_threads=n_threads)]
+    return [
+        dc.encode_tile(matrix[i : i + size], level=level, n_threads=n_threads)
+        for i in range(0, matrix.shape[0], size)
+    ]
+
+
+def decode_speeds(blob: bytes, nnz: int, repeats: int) -> dict:
+    """nonzeros/s of decode variants and of zstd alone, on 1 and 2 threads."""
+    tile = dc.Tile(blob)
+    buf, chunks = tile._buf, tile.layout.chunks
+    out = {}
+    frames = []
+    for c in chunks:
+        frames += [bytes(buf[c[4] : c[4] + c[5]]), bytes(buf[c[6] : c[6] + c[7]])]
+    dctx = zstandard.ZstdDecompressor()
+    out["python_zstandard_1t"] = nnz / median_time(
+        lambda: [dctx.decompress(f) for f in frames], repeats
+    )
+    indices = np.empty(nnz, dtype=np.int32)
+    values = np.empty(nnz, dtype=np.float32)
+    for n in (1, 2):
+        out[f"zstd_only_{n}t"] = nnz / median_time(
+            lambda n=n: _kernels.decompress_only(buf, chunks, n), repeats
+        )
+        out[f"decode_fresh_{n}t"] = nnz / median_time(
+            lambda n=n: tile.decode(np.float32, n_threads=n), repeats
+        )
+        out[f"decode_reused_{n}t"] = nnz / median_time(
+            lambda n=n: tile.decode(np.float32, n_threads=n, out=(indices, values)), repeats
+        )
+        out[f"decode_tile_crc_{n}t"] = nnz / median_time(
+            lambda n=n: dc.decode_tile(blob, n_threads=n), repeats
+        )
+        out[f"decode_tile_nocrc_{n}t"] = nnz / median_time(
+            lambda n=n: dc.decode_tile(blob, n_threads=n, verify_crc=False), repeats
+        )
+        out[f"crc_only_{n}t"] = nnz / median_time(
+            lambda n=n: _kernels.crc32_range(buf, 64, n), repeats
+        )
+    for n in (1, 2):
+        out[f"ratio_fresh_vs_zstd_{n}t"] = out[f"decode_fresh_{n}t"] / out[f"zstd_only_{n}t"]
+        out[f"ratio_reused_vs_zstd_{n}t"] = out[f"decode_reused_{n}t"] / out[f"zstd_only_{n}t"]
+    out["speedup_2t_decode_fresh"] = out["decode_fresh_2t"] / out["decode_fresh_1t"]
+    out["speedup_2t_decode_reused"] = out["decode_reused_2t"] / out["decode_reused_1t"]
+    out["speedup_2t_zstd_only"] = out["zstd_only_2t"] / out["zstd_only_1t"]
+    return out
+
+
+def level_table(matrix: sp.csr_matrix, levels: list[int], repeats: int) -> list[dict]:
+    rows = []
+    nnz = matrix.nnz
+    for level in levels:
+        reps = repeats if level < 15 else 1  # the highest levels take seconds per encode
+        blob = dc.encode_tile(matrix, level=level)
+        encode_s = median_time(lambda level=level: dc.encode_tile(matrix, level=level), reps)
+        tile = dc.Tile(blob)
+        decode_s = median_time(lambda tile=tile: tile.decode(np.float32), repeats)
+        rows.append({
+            "level": level,
+            "bytes_per_nnz": len(blob) / nnz,
+            "encode_s": encode_s,
+            "encode_mnnz_per_s": nnz / encode_s / 1e6,
+            "decode_mnnz_per_s": nnz / decode_s / 1e6,
+        })  # fmt: skip
+        print(
+            f"  level {level:2d}: {rows[-1]['bytes_per_nnz']:.4f} B/nnz, encode "
+            f"{encode_s:.3f} s, decode {rows[-1]['decode_mnnz_per_s']:.0f} Mnnz/s",
+            flush=True,
+        )
+    return rows
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    sizes = results["sizes_bytes_per_nnz"]
+    names = list(sizes)
+    axes[0].barh(names, [sizes[n] for n in names], color="tab:blue")
+    axes[0].set_xlabel("bytes per nonzero (smaller is better)")
+    axes[0].set_title("Size of X")
+    speeds = results["decode"]
+    keys = [k for k in speeds if k.endswith("t") and not k.startswith(("ratio", "speedup"))]
+    axes[1].barh(keys, [speeds[k] / 1e6 for k in keys], color="tab:green")
+    axes[1].set_xlabel("million nonzeros / s")
+    axes[1].set_title("Decode, one tile (higher is better)")
+    table = results["levels"]
+    axes[2].plot([r["encode_mnnz_per_s"] for r in table], [r["bytes_per_nnz"] for r in table], "o-")
+    for r in table:
+        axes[2].annotate(str(r["level"]), (r["encode_mnnz_per_s"], r["bytes_per_nnz"]))
+    axes[2].set_xscale("log")
+    axes[2].set_xlabel("encode Mnnz/s (log)")
+    axes[2].set_ylabel("bytes per nonzero")
+    axes[2].set_title("zstd level trade-off")
+    fig.suptitle(f"deltacells codec on {results['data']} ({results['machine']['cpu']})", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--levels", default="1,2,3,5,7,9,12,15,19")
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "codec.json")
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "_static" / "bench_codec.png")
+    args = parser.parse_args()
+
+    matrix = sp.csr_matrix(ad.read_h5ad(args.data).X).astype(np.int32)
+    totals = np.asarray(matrix.sum(axis=0)).ravel()
+    sorted_matrix = sp.csr_matrix(matrix[:, np.argsort(-totals, kind="stable")])
+    sorted_matrix.sort_indices()
+    nnz = matrix.nnz
+    print(f"{args.data.name}: {matrix.shape[0]} cells x {matrix.shape[1]} genes, {nnz} nonzeros")
+    results: dict = {"data": args.data.name, "shape": list(matrix.shape), "nnz": nnz,
+                     "machine": machine(), "repeats": args.repeats, "default_level": DEFAULT_LEVEL,
+                     "command": "python benchmarks/bench_codec.py"}  # fmt: skip
+
+    workdir = Path(tempfile.mkdtemp(prefix="dc-bench-"))
+    try:
+        reference = anndata_x_sizes(matrix, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    results["anndata"] = reference
+    sizes = {
+        "anndata h5ad gzip": reference["h5ad_gzip_x_bytes"] / nnz,
+        "anndata zarr": reference["zarr_x_bytes"] / nnz,
+    }
+    print("sizes (bytes per nonzero):")
+    for level in sorted({3, 9, 19, DEFAULT_LEVEL}):
+        for label, m in (("sorted", sorted_matrix), ("unsorted", matrix)):
+            for layout, size in (("one tile", None), ("10k-cell tiles", 10_000)):
+                total = sum(len(t) for t in tiles_of(m, size, level, 2))
+                key = f"deltacells L{level} {label}, {layout}"
+                sizes[key] = total / nnz
+                print(f"  {key}: {total / nnz:.4f}", flush=True)
+    results["sizes_bytes_per_nnz"] = sizes
+    default_sorted = sizes[f"deltacells L{DEFAULT_LEVEL} sorted, 10k-cell tiles"]
+    results["size_ratios_default_level_sorted"] = {
+        "vs_h5ad_gzip": default_sorted / sizes["anndata h5ad gzip"],
+        "vs_zarr": default_sorted / sizes["anndata zarr"],
+    }
+
+    print("decode (one tile, default level, sorted genes):")
+    blob = dc.encode_tile(sorted_matrix, level=DEFAULT_LEVEL)
+    results["decode"] = decode_speeds(blob, nnz, args.repeats)
+    for key, value in results["decode"].items():
+        unit = "" if key.startswith(("ratio", "speedup")) else " nnz/s"
+        print(
+            f"  {key}: {value:,.3f}{unit}" if unit == "" else f"  {key}: {value / 1e6:,.1f} M{unit}"
+        )
+
+    print("encode of the same data (2 threads):")
+    encode_s = median_time(lambda: dc.encode_tile(sorted_matrix, n_threads=2), 3)
+    results["encode_default_s"] = encode_s
+    results["encode_vs_h5ad_gzip_write"] = encode_s / reference["h5ad_gzip_write_s"]
+    h5ad_s = reference["h5ad_gzip_write_s"]
+    print(f"  default level: {encode_s:.3f} s; anndata gzip h5ad write {h5ad_s:.3f} s")
+
+    print("level table (sorted genes, one tile):")
+    levels = [int(x) for x in args.levels.split(",")]
+    results["levels"] = level_table(sorted_matrix, levels, args.repeats)
+
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
+    plot(results, args.plot)
+    print(f"wrote {args.json} and {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
