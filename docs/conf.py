@@ -2,16 +2,11 @@
 
 project = "deltacells"
 author = "the deltacells developers"
-extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.intersphinx"]
+extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 myst_enable_extensions = ["colon_fence"]
 napoleon_numpy_docstring = True
 napoleon_google_docstring = False
 autodoc_typehints = "description"
-intersphinx_mapping = {
-    "python": ("https://docs.python.org/3", None),
-    "numpy": ("https://numpy.org/doc/stable", None),
-    "scipy": ("https://docs.scipy.org/doc/scipy", None),
-}
 exclude_patterns = ["_build"]
 html_static_path = ["_static"]
