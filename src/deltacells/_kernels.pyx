@@ -13,7 +13,7 @@ gives an error rather than a stray memory access.
 """
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
-from cython.parallel cimport parallel, prange
+from cython.parallel cimport parallel, prange, threadid
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
 from libc.stdlib cimport free, malloc
 
@@ -31,7 +31,6 @@ from deltacells._zstd cimport (
     ZSTD_decompressDCtx,
     ZSTD_findFrameCompressedSize,
     ZSTD_freeCCtx,
-    ZSTD_freeDCtx,
     ZSTD_getFrameContentSize,
     ZSTD_isError,
     ZSTD_maxCLevel,
@@ -51,8 +50,71 @@ cdef extern from *:
     #else
     #define DELTACELLS_OPENMP 0
     #endif
+
+    #include <stdint.h>
+    #if defined(__SSE2__)
+    #include <emmintrin.h>
+    #endif
+
+    /* out[i] = g + gaps[0] + ... + gaps[i] for the uint16 gaps stored as byte planes lo/hi.
+       Returns the last value. The caller guarantees g + 65535 * n < 2^31 (no int32 overflow).
+       A prefix sum is a serial chain, so it is done four lanes at a time with SSE2 (baseline
+       on x86-64); other targets take the scalar loop, with identical results. */
+    static inline int32_t dc_prefix_planes(const uint8_t* lo, const uint8_t* hi, int64_t n,
+                                           int32_t g, int32_t* out) {
+        int64_t i = 0;
+    #if defined(__SSE2__)
+        const __m128i zero = _mm_setzero_si128();
+        __m128i carry = _mm_set1_epi32(g);
+        for (; i + 16 <= n; i += 16) {
+            __m128i l = _mm_loadu_si128((const __m128i*)(lo + i));
+            __m128i h = _mm_loadu_si128((const __m128i*)(hi + i));
+            __m128i w0 = _mm_unpacklo_epi8(l, h);
+            __m128i w1 = _mm_unpackhi_epi8(l, h);
+            __m128i v[4] = {_mm_unpacklo_epi16(w0, zero), _mm_unpackhi_epi16(w0, zero),
+                            _mm_unpacklo_epi16(w1, zero), _mm_unpackhi_epi16(w1, zero)};
+            for (int k = 0; k < 4; k++) {
+                __m128i x = v[k];
+                x = _mm_add_epi32(x, _mm_slli_si128(x, 4));
+                x = _mm_add_epi32(x, _mm_slli_si128(x, 8));
+                x = _mm_add_epi32(x, carry);
+                _mm_storeu_si128((__m128i*)(out + i + 4 * k), x);
+                carry = _mm_shuffle_epi32(x, 0xFF);
+            }
+        }
+        g = _mm_cvtsi128_si32(carry);
+    #endif
+        for (; i < n; i++) {
+            g += (int32_t)(lo[i] | ((uint32_t)hi[i] << 8));
+            out[i] = g;
+        }
+        return g;
+    }
+
+    /* Whether any of the n uint16 values stored as byte planes lo/hi is zero. */
+    static inline int dc_any_zero_planes(const uint8_t* lo, const uint8_t* hi, int64_t n) {
+        int64_t i = 0;
+        int found = 0;
+    #if defined(__SSE2__)
+        const __m128i zero = _mm_setzero_si128();
+        __m128i acc = zero;
+        for (; i + 16 <= n; i += 16) {
+            __m128i both = _mm_or_si128(_mm_loadu_si128((const __m128i*)(lo + i)),
+                                        _mm_loadu_si128((const __m128i*)(hi + i)));
+            acc = _mm_or_si128(acc, _mm_cmpeq_epi8(both, zero));
+        }
+        found = _mm_movemask_epi8(acc) != 0;
+    #endif
+        for (; i < n; i++) {
+            found |= (lo[i] | hi[i]) == 0;
+        }
+        return found;
+    }
     """
     int DELTACELLS_OPENMP
+    int32_t dc_prefix_planes(const uint8_t* lo, const uint8_t* hi, int64_t n, int32_t g,
+                             int32_t* out) noexcept nogil
+    int dc_any_zero_planes(const uint8_t* lo, const uint8_t* hi, int64_t n) noexcept nogil
 
 ctypedef fused value_t:
     int32_t
@@ -103,7 +165,7 @@ _MESSAGES = {
     E_VEXC_PAYLOAD: "value exception payload out of 65536..2^31-1 (index {})",
     E_GEXC_PAYLOAD: "gap exception payload out of 1..n_genes-1 (index {})",
     E_EXC_STORED: "exception at chunk position {} where the stored value is not 65535",
-    E_ZERO_COUNT: "stored count of 0 at or after nonzero {} (zeros are never stored)",
+    E_ZERO_COUNT: "stored count of 0 at or after cell {} (zeros are never stored)",
     E_ENC_ORDER: "gene indices not strictly increasing or out of range in cell {}",
     E_ENC_VALUE: "count outside 1..2^31-1 in cell {}",
     E_ENC_COMPRESS: "zstd compression failed (stream {})",
@@ -126,12 +188,39 @@ def zstd_level_range() -> tuple:
     return (ZSTD_minCLevel(), ZSTD_maxCLevel())
 
 
-cdef struct Planes:
-    # One decompressed chunk: byte planes plus its exception lists.
-    const uint8_t* glo
-    const uint8_t* ghi
-    const uint8_t* vlo
-    const uint8_t* vhi
+# Decompression contexts are reused across calls: creating one costs about as much as
+# decoding a small tile. A context is used by one thread at a time: contexts are taken from this
+# list with the GIL held before a parallel region and given back after it, so concurrent calls
+# from several Python threads never share one.
+_idle_dctx = []
+
+
+cdef object _take_dctx(int n):
+    """Addresses of ``n`` decompression contexts, reused when idle ones exist."""
+    cdef size_t address
+    taken = np.zeros(n, dtype=np.uintp)
+    cdef size_t[::1] taken_v = taken
+    for i in range(n):
+        if _idle_dctx:
+            address = _idle_dctx.pop()
+        else:
+            address = <size_t>ZSTD_createDCtx()
+            if address == 0:
+                _give_back_dctx(taken[:i])
+                raise MemoryError("could not create a zstd decompression context")
+        taken_v[i] = address
+    return taken
+
+
+cdef void _give_back_dctx(object taken):
+    _idle_dctx.extend(int(a) for a in taken)
+
+
+cdef struct Chunk:
+    # One chunk being decoded: its exception lists and one stream's byte planes at a time
+    # (gaps, then values), so the scratch a thread touches stays small enough for its cache.
+    const uint8_t* lo
+    const uint8_t* hi
     const uint32_t* vpos
     const uint32_t* vpay
     const uint32_t* gpos
@@ -222,46 +311,37 @@ def check_frames(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, object w
 
 
 cdef inline int64_t _scratch_bytes(int64_t n, int64_t kv, int64_t kg) noexcept nogil:
-    return 4 * n + 8 * kv + 8 * kg + 8
+    # Exception lists first (uint32 aligned), then one stream's planes.
+    return 8 * kv + 8 * kg + 2 * n + 8
 
 
-cdef int _load_chunk(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entry,
-                     int64_t kv, int64_t kg, int64_t n_genes, uint8_t* scratch,
-                     Planes* p, int64_t* detail) noexcept nogil:
-    """Decompress one chunk's frames into scratch and validate its exception lists."""
+cdef int _load_exceptions(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entry,
+                          int64_t kv, int64_t kg, int64_t n_genes, uint8_t* scratch,
+                          Chunk* p, int64_t* detail) noexcept nogil:
+    """Decompress a chunk's exception frames and check positions and payload ranges."""
     cdef int64_t n = entry[NNZ_HI] - entry[NNZ_LO]
-    cdef size_t got
     cdef int64_t i
-    cdef uint32_t prev
-    cdef uint8_t* dst
-    cdef int64_t sizes[4]
-    cdef int f
-    sizes[0] = 2 * n
-    sizes[1] = 2 * n
-    sizes[2] = 8 * kv
-    sizes[3] = 8 * kg
-    dst = scratch
-    for f in range(4):
-        if f >= 2 and entry[5 + 2 * f] == 0:
-            continue
-        got = ZSTD_decompressDCtx(dctx, dst, <size_t>sizes[f], blob + entry[4 + 2 * f],
-                                  <size_t>entry[5 + 2 * f])
-        if ZSTD_isError(got) or got != <size_t>sizes[f]:
-            detail[0] = f
-            return E_DECOMPRESS
-        dst += sizes[f]
+    cdef uint32_t prev = 0
+    cdef size_t got
     p.n = n
-    p.glo = scratch
-    p.ghi = scratch + n
-    p.vlo = scratch + 2 * n
-    p.vhi = scratch + 3 * n
-    p.vpos = <const uint32_t*>(scratch + 4 * n)
+    p.kv = kv
+    p.kg = kg
+    p.vpos = <const uint32_t*>scratch
     p.vpay = p.vpos + kv
     p.gpos = p.vpay + kv
     p.gpay = p.gpos + kg
-    p.kv = kv
-    p.kg = kg
-    # Exception lists: strictly increasing positions < n, payloads in range, stored 65535.
+    if kv:
+        got = ZSTD_decompressDCtx(dctx, scratch, <size_t>(8 * kv), blob + entry[8],
+                                  <size_t>entry[9])
+        if ZSTD_isError(got) or got != <size_t>(8 * kv):
+            detail[0] = 2
+            return E_DECOMPRESS
+    if kg:
+        got = ZSTD_decompressDCtx(dctx, scratch + 8 * kv, <size_t>(8 * kg), blob + entry[10],
+                                  <size_t>entry[11])
+        if ZSTD_isError(got) or got != <size_t>(8 * kg):
+            detail[0] = 3
+            return E_DECOMPRESS
     for i in range(kv):
         if p.vpos[i] >= n or (i > 0 and p.vpos[i] <= prev):
             detail[0] = i
@@ -270,9 +350,6 @@ cdef int _load_chunk(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entry,
         if p.vpay[i] < 65536 or p.vpay[i] > MAX_COUNT:
             detail[0] = i
             return E_VEXC_PAYLOAD
-        if (p.vlo[prev] | (p.vhi[prev] << 8)) != STREAM_MAX:
-            detail[0] = prev
-            return E_EXC_STORED
     for i in range(kg):
         if p.gpos[i] >= n or (i > 0 and p.gpos[i] <= prev):
             detail[0] = i
@@ -281,8 +358,28 @@ cdef int _load_chunk(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entry,
         if p.gpay[i] < 1 or <int64_t>p.gpay[i] >= n_genes:
             detail[0] = i
             return E_GEXC_PAYLOAD
-        if (p.glo[prev] | (p.ghi[prev] << 8)) != STREAM_MAX:
-            detail[0] = prev
+    return OK
+
+
+cdef int _load_planes(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entry, int which,
+                      uint8_t* scratch, Chunk* p, int64_t* detail) noexcept nogil:
+    """Decompress stream ``which`` (0 gaps, 1 values) of a chunk into the scratch planes.
+
+    Also checks that this stream's exceptions sit on a stored 65535.
+    """
+    cdef int64_t i, k = p.kg if which == 0 else p.kv
+    cdef const uint32_t* pos = p.gpos if which == 0 else p.vpos
+    cdef uint8_t* dst = scratch + 8 * (p.kv + p.kg)
+    cdef size_t got = ZSTD_decompressDCtx(dctx, dst, <size_t>(2 * p.n), blob + entry[4 + 2 * which],
+                                          <size_t>entry[5 + 2 * which])
+    if ZSTD_isError(got) or got != <size_t>(2 * p.n):
+        detail[0] = which
+        return E_DECOMPRESS
+    p.lo = dst
+    p.hi = dst + p.n
+    for i in range(k):
+        if (p.lo[pos[i]] | (p.hi[pos[i]] << 8)) != STREAM_MAX:
+            detail[0] = pos[i]
             return E_EXC_STORED
     return OK
 
@@ -299,66 +396,136 @@ cdef inline int64_t _lower_bound(const uint32_t* a, int64_t k, int64_t x) noexce
     return lo
 
 
-cdef int _decode_cell(const Planes* p, int64_t s, int64_t e, int64_t n_genes,
+cdef int _decode_cell(const Chunk* p, int64_t s, int64_t e, int64_t n_genes,
                       int32_t* out, int64_t* xcursor) noexcept nogil:
     """Gene indices of the nonzeros s..e of a chunk (one cell) into out[0 : e - s].
 
-    ``xcursor`` indexes the first gap exception at or after ``s``; it is advanced past ``e``.
+    The gaps planes must be loaded. ``xcursor`` indexes the first gap exception at or after
+    ``s``; it is advanced past ``e``.
     """
     # Local copies: the compiler cannot assume stores to out leave p's fields alone.
-    cdef const uint8_t* glo = p.glo
-    cdef const uint8_t* ghi = p.ghi
+    cdef const uint8_t* glo = p.lo
+    cdef const uint8_t* ghi = p.hi
     cdef const uint32_t* gpos = p.gpos
     cdef int64_t kg = p.kg
     cdef int64_t g = 0, i, q, x = xcursor[0]
-    cdef int64_t zeros = 0
-    cdef uint32_t gap
     cdef int64_t start = s
     cdef int32_t* dst = out - s
     if s == e:
         return OK
+    # The first gap of a cell is its first gene and may be 0; any later zero is a duplicate.
+    if dc_any_zero_planes(glo + s + 1, ghi + s + 1, e - s - 1):
+        return E_ZERO_GAP
     while start < e:
         if x < kg and gpos[x] == start:
             g += p.gpay[x]
             x += 1
+        if g >= n_genes:  # indices only grow, so this cell is already out of range
+            return E_GENE_RANGE
         q = e
         if x < kg and gpos[x] < e:
             q = gpos[x]
-        for i in range(start, q):
-            gap = glo[i] | (<uint32_t>ghi[i] << 8)
-            zeros += gap == 0
-            g += gap
-            dst[i] = <int32_t>g
+        if g + <int64_t>STREAM_MAX * (q - start) < MAX_COUNT:
+            g = dc_prefix_planes(glo + start, ghi + start, q - start, <int32_t>g, dst + start)
+        else:  # a very long segment could pass 2^31 in int32: add up in int64 instead
+            for i in range(start, q):
+                g += glo[i] | (<uint32_t>ghi[i] << 8)
+                dst[i] = <int32_t>g
+                if g >= n_genes:
+                    return E_GENE_RANGE
         start = q
     xcursor[0] = x
-    # The first gap of a cell is its first gene and may be 0; any later zero is a duplicate.
-    if zeros - ((glo[s] | ghi[s]) == 0) > 0:
-        return E_ZERO_GAP
     if g >= n_genes:  # indices increase within a cell, so the last one is the largest
         return E_GENE_RANGE
     return OK
 
 
-cdef int _decode_values(const Planes* p, int64_t s, int64_t e, value_t* out,
+cdef int _decode_values(const Chunk* p, int64_t s, int64_t e, value_t* out,
                         int64_t* xcursor) noexcept nogil:
     """Counts of the nonzeros s..e of a chunk into out[0 : e - s], exceptions applied.
 
-    Returns E_ZERO_COUNT if a stored count is 0 (exceptions never are: they were validated).
+    The values planes must be loaded. Returns E_ZERO_COUNT if a stored count is 0.
     """
-    cdef const uint8_t* vlo = p.vlo
-    cdef const uint8_t* vhi = p.vhi
+    cdef const uint8_t* vlo = p.lo
+    cdef const uint8_t* vhi = p.hi
     cdef value_t* dst = out - s
     cdef int64_t i, x = xcursor[0]
-    cdef uint32_t v, smallest = STREAM_MAX
+    cdef uint8_t any_zero = 0
+    # Written so that the compiler vectorizes it with baseline SSE2: byte compares for the zero
+    # check and a signed int32 -> float conversion (stored counts are at most 65535).
     for i in range(s, e):
-        v = vlo[i] | (<uint32_t>vhi[i] << 8)
-        smallest = v if v < smallest else smallest
-        dst[i] = <value_t>v
+        any_zero |= (vlo[i] | vhi[i]) == 0
+        dst[i] = <value_t>(<int32_t>(vlo[i] | (<int32_t>vhi[i] << 8)))
     while x < p.kv and p.vpos[x] < e:
-        out[p.vpos[x] - s] = <value_t>p.vpay[x]
+        dst[p.vpos[x]] = <value_t>p.vpay[x]
         x += 1
     xcursor[0] = x
-    return E_ZERO_COUNT if smallest == 0 else OK
+    if any_zero:
+        for i in range(s, e):
+            if vlo[i] == 0 and vhi[i] == 0:
+                return E_ZERO_COUNT
+    return OK
+
+
+cdef int _decode_chunk(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entry,
+                       int64_t kv, int64_t kg, int64_t n_genes, const int64_t* indptr,
+                       const int64_t* rows, const int64_t* order, int64_t k_lo, int64_t k_hi,
+                       const int64_t* out_indptr, int32_t* idx_out, value_t* val_out,
+                       uint8_t* scratch, Chunk* p, int64_t* detail) noexcept nogil:
+    """Decode one chunk: all its cells in place, or the requested rows to their output rows.
+
+    With ``rows == NULL`` every cell goes to its own place (outputs indexed by tile nonzero).
+    Otherwise output row ``j = order[k]`` for ``k`` in ``k_lo..k_hi`` is cell ``rows[j]``,
+    written at ``out_indptr[j]``. Gaps are decoded first, then values into the same scratch.
+    """
+    cdef int64_t a = entry[NNZ_LO], k, j, r, s, e, o, x
+    cdef int which, st
+    st = _load_exceptions(dctx, blob, entry, kv, kg, n_genes, scratch, p, detail)
+    if st != OK:
+        return st
+    for which in range(2):
+        st = _load_planes(dctx, blob, entry, which, scratch, p, detail)
+        if st != OK:
+            return st
+        if rows == NULL and which == 1:
+            # Values of the whole chunk are contiguous in the output: one pass.
+            x = 0
+            st = _decode_values(p, 0, p.n, val_out + a, &x)
+            if st != OK:
+                detail[0] = entry[CELL_LO]
+                return st
+            continue
+        x = 0
+        k = k_lo
+        r = entry[CELL_LO]
+        while (rows == NULL and r < entry[CELL_HI]) or (rows != NULL and k < k_hi):
+            if rows == NULL:
+                o = indptr[r]
+            else:
+                j = order[k]
+                r = rows[j]
+                o = out_indptr[j]
+                if r < entry[CELL_LO] or r >= entry[CELL_HI]:
+                    detail[0] = r
+                    return E_CELL_RANGE
+            s = indptr[r] - a
+            e = indptr[r + 1] - a
+            if s < 0 or e < s or e > p.n or (rows != NULL and out_indptr[j + 1] - o != e - s):
+                detail[0] = r
+                return E_CELL_RANGE
+            if which == 0:
+                if rows != NULL:
+                    x = _lower_bound(p.gpos, p.kg, s)
+                st = _decode_cell(p, s, e, n_genes, idx_out + o, &x)
+            else:
+                x = _lower_bound(p.vpos, p.kv, s)
+                st = _decode_values(p, s, e, val_out + o, &x)
+            if st != OK:
+                detail[0] = r
+                return st
+            r += 1
+            k += 1
+    return OK
 
 
 cdef int64_t _max_scratch(const int64_t[:, ::1] chunks, const int64_t[:, ::1] exc, object ids):
@@ -370,6 +537,39 @@ cdef int64_t _max_scratch(const int64_t[:, ::1] chunks, const int64_t[:, ::1] ex
     return best
 
 
+cdef void _decode_jobs(const uint8_t* blob, const int64_t[:, ::1] chunks,
+                       const int64_t[:, ::1] exc, int64_t n_genes, const int64_t* indptr,
+                       const int64_t* rows, const int64_t* order, const int64_t* job_chunks,
+                       const int64_t* job_starts, Py_ssize_t n_jobs, const int64_t* out_indptr,
+                       int32_t* idx_out, value_t* val_out, int64_t scratch_size, int n_threads,
+                       const size_t* contexts, int32_t* status, int64_t* detail) noexcept nogil:
+    """Run ``_decode_chunk`` for every job in parallel (a job is one chunk).
+
+    Without ``rows`` job ``g`` is chunk ``g``; with them it is chunk ``job_chunks[g]`` and its
+    rows ``order[job_starts[g]:job_starts[g + 1]]``.
+    """
+    cdef Py_ssize_t g
+    cdef int64_t c
+    cdef ZSTD_DCtx* dctx
+    cdef uint8_t* scratch
+    cdef Chunk* chunk
+    with parallel(num_threads=n_threads):
+        dctx = <ZSTD_DCtx*>contexts[threadid()]
+        scratch = <uint8_t*>malloc(scratch_size)
+        chunk = <Chunk*>malloc(sizeof(Chunk))
+        for g in prange(n_jobs, schedule="dynamic"):
+            if dctx == NULL or scratch == NULL or chunk == NULL:
+                status[g] = E_NOMEM
+                continue
+            c = g if rows == NULL else job_chunks[g]
+            status[g] = _decode_chunk(
+                dctx, blob, &chunks[c, 0], exc[c, 0], exc[c, 1], n_genes, indptr, rows, order,
+                0 if rows == NULL else job_starts[g], 0 if rows == NULL else job_starts[g + 1],
+                out_indptr, idx_out, val_out, scratch, chunk, &detail[g])
+        free(scratch)
+        free(chunk)
+
+
 def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
                 const int64_t[::1] indptr, const int64_t[:, ::1] exc, int64_t n_genes,
                 int32_t[::1] indices, value_t[::1] values, int n_threads, object where):
@@ -378,60 +578,28 @@ def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
     ``exc`` is the output of :func:`check_frames`. The caller owns ``indptr``.
     """
     cdef Py_ssize_t n_chunks = chunks.shape[0]
-    cdef Py_ssize_t c
-    cdef int64_t r, a, s, e, xg, xv, nnz = indptr[indptr.shape[0] - 1]
-    cdef int st
-    cdef ZSTD_DCtx* dctx
-    cdef uint8_t* scratch
-    cdef Planes* planes
+    cdef int64_t nnz = indptr[indptr.shape[0] - 1]
     if indices.shape[0] < nnz or values.shape[0] < nnz:
         raise ValueError(f"output buffers hold {indices.shape[0]} / {values.shape[0]} entries, "
                          f"the tile has {nnz} nonzeros")
+    if n_chunks == 0:
+        return
     status = np.zeros(n_chunks, dtype=np.int32)
     detail = np.zeros(n_chunks, dtype=np.int64)
     cdef int32_t[::1] status_v = status
     cdef int64_t[::1] detail_v = detail
     cdef int64_t scratch_size = _max_scratch(chunks, exc, range(n_chunks))
-    cdef const uint8_t* base = &blob[0]
     cdef int32_t* idx_out = &indices[0] if indices.shape[0] else NULL
     cdef value_t* val_out = &values[0] if values.shape[0] else NULL
-    if n_chunks == 0:
-        return
-    with nogil, parallel(num_threads=n_threads):
-        dctx = ZSTD_createDCtx()
-        scratch = <uint8_t*>malloc(scratch_size)
-        planes = <Planes*>malloc(sizeof(Planes))
-        for c in prange(n_chunks, schedule="dynamic"):
-            if dctx == NULL or scratch == NULL or planes == NULL:
-                status_v[c] = E_NOMEM
-                continue
-            st = _load_chunk(dctx, base, &chunks[c, 0], exc[c, 0], exc[c, 1], n_genes,
-                             scratch, planes, &detail_v[c])
-            if st == OK:
-                a = chunks[c, NNZ_LO]
-                xg = 0
-                for r in range(chunks[c, CELL_LO], chunks[c, CELL_HI]):
-                    s = indptr[r] - a
-                    e = indptr[r + 1] - a
-                    if s < 0 or e < s or e > planes.n:
-                        st = E_CELL_RANGE
-                    else:
-                        st = _decode_cell(planes, s, e, n_genes, idx_out + a + s, &xg)
-                    if st != OK:
-                        detail_v[c] = r
-                        break
-                if st == OK:
-                    xv = 0
-                    st = _decode_values(planes, 0, planes.n, val_out + a, &xv)
-                    if st != OK:
-                        # Name the first zero count (rare path: the tile is bad).
-                        for s in range(planes.n - 1, -1, -1):
-                            if val_out[a + s] == 0:
-                                detail_v[c] = s
-            status_v[c] = st
-        ZSTD_freeDCtx(dctx)
-        free(scratch)
-        free(planes)
+    contexts = _take_dctx(n_threads)
+    cdef const size_t[::1] contexts_v = contexts
+    try:
+        with nogil:
+            _decode_jobs(&blob[0], chunks, exc, n_genes, &indptr[0], NULL, NULL, NULL, NULL,
+                         n_chunks, NULL, idx_out, val_out, scratch_size, n_threads,
+                         &contexts_v[0], &status_v[0], &detail_v[0])
+    finally:
+        _give_back_dctx(contexts)
     _raise_status(status, detail, where)
 
 
@@ -449,66 +617,30 @@ def gather_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
     ``out_indptr[j]:out_indptr[j + 1]``.
     """
     cdef Py_ssize_t n_groups = group_chunks.shape[0]
-    cdef Py_ssize_t g
-    cdef int64_t c, j, k, r, a, s, e, xg, xv, o
-    cdef int st
-    cdef ZSTD_DCtx* dctx
-    cdef uint8_t* scratch
-    cdef Planes* planes
-    cdef int64_t n_cells = indptr.shape[0] - 1
     cdef int64_t n_out = out_indptr[out_indptr.shape[0] - 1]
     if indices.shape[0] < n_out or values.shape[0] < n_out:
         raise ValueError("output buffers are shorter than the gathered nonzeros")
+    if group_starts.shape[0] != n_groups + 1 or order.shape[0] != rows.shape[0]:
+        raise ValueError("group_starts / order do not match group_chunks / rows")
+    if n_groups == 0:
+        return
     status = np.zeros(n_groups, dtype=np.int32)
     detail = np.zeros(n_groups, dtype=np.int64)
     cdef int32_t[::1] status_v = status
     cdef int64_t[::1] detail_v = detail
     cdef int64_t scratch_size = _max_scratch(chunks, exc, group_chunks)
-    cdef const uint8_t* base = &blob[0]
     cdef int32_t* idx_out = &indices[0] if indices.shape[0] else NULL
     cdef value_t* val_out = &values[0] if values.shape[0] else NULL
-    if n_groups == 0:
-        return
-    with nogil, parallel(num_threads=n_threads):
-        dctx = ZSTD_createDCtx()
-        scratch = <uint8_t*>malloc(scratch_size)
-        planes = <Planes*>malloc(sizeof(Planes))
-        for g in prange(n_groups, schedule="dynamic"):
-            if dctx == NULL or scratch == NULL or planes == NULL:
-                status_v[g] = E_NOMEM
-                continue
-            c = group_chunks[g]
-            st = _load_chunk(dctx, base, &chunks[c, 0], exc[c, 0], exc[c, 1], n_genes,
-                             scratch, planes, &detail_v[g])
-            if st == OK:
-                a = chunks[c, NNZ_LO]
-                for k in range(group_starts[g], group_starts[g + 1]):
-                    j = order[k]
-                    r = rows[j]
-                    if r < chunks[c, CELL_LO] or r >= chunks[c, CELL_HI] or r >= n_cells:
-                        st = E_CELL_RANGE
-                        detail_v[g] = r
-                        break
-                    s = indptr[r] - a
-                    e = indptr[r + 1] - a
-                    o = out_indptr[j]
-                    if s < 0 or e < s or e > planes.n or out_indptr[j + 1] - o != e - s:
-                        st = E_CELL_RANGE
-                    else:
-                        xg = _lower_bound(planes.gpos, planes.kg, s)
-                        st = _decode_cell(planes, s, e, n_genes, idx_out + o, &xg)
-                    if st != OK:
-                        detail_v[g] = s
-                        break
-                    xv = _lower_bound(planes.vpos, planes.kv, s)
-                    st = _decode_values(planes, s, e, val_out + o, &xv)
-                    if st != OK:
-                        detail_v[g] = s
-                        break
-            status_v[g] = st
-        ZSTD_freeDCtx(dctx)
-        free(scratch)
-        free(planes)
+    contexts = _take_dctx(n_threads)
+    cdef const size_t[::1] contexts_v = contexts
+    try:
+        with nogil:
+            _decode_jobs(&blob[0], chunks, exc, n_genes, &indptr[0], &rows[0], &order[0],
+                         &group_chunks[0], &group_starts[0], n_groups, &out_indptr[0], idx_out,
+                         val_out, scratch_size, n_threads, &contexts_v[0], &status_v[0],
+                         &detail_v[0])
+    finally:
+        _give_back_dctx(contexts)
     _raise_status(status, detail, where, np.asarray(group_chunks))
 
 
@@ -528,8 +660,10 @@ def decompress_only(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, int n
     cdef const uint8_t* base = &blob[0]
     for c in range(n_chunks):
         largest = max(largest, 4 * (chunks[c, NNZ_HI] - chunks[c, NNZ_LO]))
+    contexts = _take_dctx(n_threads)
+    cdef const size_t[::1] contexts_v = contexts
     with nogil, parallel(num_threads=n_threads):
-        dctx = ZSTD_createDCtx()
+        dctx = <ZSTD_DCtx*>contexts_v[threadid()]
         scratch = <uint8_t*>malloc(largest)
         for c in prange(n_chunks, schedule="dynamic"):
             n = chunks[c, NNZ_HI] - chunks[c, NNZ_LO]
@@ -541,8 +675,8 @@ def decompress_only(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, int n
             if ZSTD_isError(got):
                 failed += 1
             total += 4 * n
-        ZSTD_freeDCtx(dctx)
         free(scratch)
+    _give_back_dctx(contexts)
     if failed:
         raise FormatError("zstd decompression failed")
     return total

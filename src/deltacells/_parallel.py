@@ -8,6 +8,7 @@ to 2 CPUs on a 64-core host gets 2). A negative count means "all but": ``-1`` is
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import os
@@ -43,8 +44,13 @@ def _cgroup_cpu_limit() -> float | None:
     return None
 
 
+@functools.lru_cache(maxsize=1)
 def usable_cpu_count() -> int:
-    """CPUs this process may use: affinity mask, capped by the cgroup quota (at least 1)."""
+    """CPUs this process may use: affinity mask, capped by the cgroup quota (at least 1).
+
+    Computed once per process (reading cgroup files on every decode would cost more than
+    decoding a small tile), like scikit-learn's cached CPU count.
+    """
     try:
         count = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
@@ -87,10 +93,9 @@ def effective_n_threads(n_threads: int | None = None) -> int:
             ) from None
     if n_threads == 0:
         raise ValueError("n_threads=0 is not allowed; use None for the default or a count >= 1")
-    cpus = usable_cpu_count()
     if n_threads is None:
         env = _omp_num_threads()
-        return env if env is not None else cpus
+        return env if env is not None else usable_cpu_count()
     if n_threads < 0:
-        return max(1, cpus + 1 + n_threads)
+        return max(1, usable_cpu_count() + 1 + n_threads)
     return int(n_threads)
