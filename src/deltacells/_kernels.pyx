@@ -315,50 +315,51 @@ cdef inline int64_t _scratch_bytes(int64_t n, int64_t kv, int64_t kg) noexcept n
     return 8 * kv + 8 * kg + 2 * n + 8
 
 
+cdef int _load_exception_frame(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entry,
+                               int which, int64_t k, int64_t n, uint8_t* dst,
+                               int64_t lowest, int64_t highest, int bad_payload,
+                               int64_t* detail) noexcept nogil:
+    """Decompress exception frame ``which`` (2 vexc, 3 gexc) of a chunk into ``dst`` and check
+    that its ``k`` positions strictly increase below ``n`` and its payloads lie in range."""
+    cdef const uint32_t* pos = <const uint32_t*>dst
+    cdef const uint32_t* pay = pos + k
+    cdef int64_t i
+    cdef size_t got
+    if k == 0:
+        return OK
+    got = ZSTD_decompressDCtx(dctx, dst, <size_t>(8 * k), blob + entry[4 + 2 * which],
+                              <size_t>entry[5 + 2 * which])
+    if ZSTD_isError(got) or got != <size_t>(8 * k):
+        detail[0] = which
+        return E_DECOMPRESS
+    for i in range(k):
+        if pos[i] >= n or (i > 0 and pos[i] <= pos[i - 1]):
+            detail[0] = i
+            return E_EXC_ORDER
+        if pay[i] < lowest or pay[i] > highest:
+            detail[0] = i
+            return bad_payload
+    return OK
+
+
 cdef int _load_exceptions(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entry,
                           int64_t kv, int64_t kg, int64_t n_genes, uint8_t* scratch,
                           Chunk* p, int64_t* detail) noexcept nogil:
     """Decompress a chunk's exception frames and check positions and payload ranges."""
-    cdef int64_t n = entry[NNZ_HI] - entry[NNZ_LO]
-    cdef int64_t i
-    cdef uint32_t prev = 0
-    cdef size_t got
-    p.n = n
+    cdef int st
+    p.n = entry[NNZ_HI] - entry[NNZ_LO]
     p.kv = kv
     p.kg = kg
     p.vpos = <const uint32_t*>scratch
     p.vpay = p.vpos + kv
     p.gpos = p.vpay + kv
     p.gpay = p.gpos + kg
-    if kv:
-        got = ZSTD_decompressDCtx(dctx, scratch, <size_t>(8 * kv), blob + entry[8],
-                                  <size_t>entry[9])
-        if ZSTD_isError(got) or got != <size_t>(8 * kv):
-            detail[0] = 2
-            return E_DECOMPRESS
-    if kg:
-        got = ZSTD_decompressDCtx(dctx, scratch + 8 * kv, <size_t>(8 * kg), blob + entry[10],
-                                  <size_t>entry[11])
-        if ZSTD_isError(got) or got != <size_t>(8 * kg):
-            detail[0] = 3
-            return E_DECOMPRESS
-    for i in range(kv):
-        if p.vpos[i] >= n or (i > 0 and p.vpos[i] <= prev):
-            detail[0] = i
-            return E_EXC_ORDER
-        prev = p.vpos[i]
-        if p.vpay[i] < 65536 or p.vpay[i] > MAX_COUNT:
-            detail[0] = i
-            return E_VEXC_PAYLOAD
-    for i in range(kg):
-        if p.gpos[i] >= n or (i > 0 and p.gpos[i] <= prev):
-            detail[0] = i
-            return E_EXC_ORDER
-        prev = p.gpos[i]
-        if p.gpay[i] < 1 or <int64_t>p.gpay[i] >= n_genes:
-            detail[0] = i
-            return E_GEXC_PAYLOAD
-    return OK
+    st = _load_exception_frame(dctx, blob, entry, 2, kv, p.n, scratch, 65536, MAX_COUNT,
+                               E_VEXC_PAYLOAD, detail)
+    if st == OK:
+        st = _load_exception_frame(dctx, blob, entry, 3, kg, p.n, scratch + 8 * kv, 1,
+                                   n_genes - 1, E_GEXC_PAYLOAD, detail)
+    return st
 
 
 cdef int _load_planes(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entry, int which,

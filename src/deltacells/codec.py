@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import scipy.sparse as sp
 from numpy.typing import ArrayLike, DTypeLike
 
@@ -40,6 +41,7 @@ __all__ = [
     "canonical_csr",
     "chunk_bounds",
     "decode_tile",
+    "empty_output",
     "encode_tile",
     "exception_limit",
 ]
@@ -57,6 +59,20 @@ VALUE_DTYPES = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.float64))
 def exception_limit(nnz: int) -> int:
     """Most exceptions of either kind the writer accepts in a tile of ``nnz`` nonzeros."""
     return max(1024, nnz // 200)
+
+
+def empty_output(length: int, dtype: DTypeLike) -> np.ndarray:
+    """An uninitialized 1-D array for decoded output, from pyarrow's memory pool.
+
+    Decoded arrays are large and short-lived (decode, use, drop, decode the next tile). Memory
+    from ``numpy.empty`` that size is mapped fresh from the OS each time, and the kernel zeroing
+    those pages costs about a third of the decompression itself; pyarrow's pool (mimalloc or
+    jemalloc) hands freed blocks back instead. The array keeps its pyarrow buffer alive.
+    """
+    dtype = np.dtype(dtype)
+    if length == 0:
+        return np.empty(0, dtype=dtype)
+    return np.frombuffer(pa.allocate_buffer(length * dtype.itemsize), dtype=dtype)
 
 
 def _value_dtype(values_dtype: DTypeLike) -> np.dtype:
@@ -422,8 +438,8 @@ class Tile:
         """
         dtype = _value_dtype(values_dtype)
         if out is None:
-            indices = np.empty(self.nnz, dtype=np.int32)
-            values = np.empty(self.nnz, dtype=dtype)
+            indices = empty_output(self.nnz, np.int32)
+            values = empty_output(self.nnz, dtype)
         else:
             indices, values = out
             if values.dtype != dtype:
@@ -469,8 +485,8 @@ class Tile:
         out_indptr = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(lengths, out=out_indptr[1:])
         nnz = int(out_indptr[-1])
-        indices = np.empty(nnz, dtype=np.int32)
-        values = np.empty(nnz, dtype=dtype)
+        indices = empty_output(nnz, np.int32)
+        values = empty_output(nnz, dtype)
         chunk_of_row = np.searchsorted(self.layout.chunks[:, CELL_HI], rows, side="right")
         order = np.argsort(chunk_of_row, kind="stable").astype(np.int64)
         group_chunks, group_starts = np.unique(chunk_of_row[order], return_index=True)

@@ -85,33 +85,6 @@ def pack_header(
     )
 
 
-@dataclass(frozen=True)
-class TileLayout:
-    """The validated, uncompressed structure of one tile.
-
-    Attributes
-    ----------
-    version, n_cells, nnz, n_genes, n_chunks, indptr_off, total_size, crc32
-        Header fields.
-    chunks
-        ``int64`` array of shape ``(n_chunks, 12)`` with the fields of :data:`CHUNK_FIELDS`
-        (version 1 tables are widened with zero-length exception frames).
-    indptr
-        ``int64`` array of ``n_cells + 1`` row offsets (a copy, owned by this object).
-    """
-
-    version: int
-    n_cells: int
-    nnz: int
-    n_genes: int
-    n_chunks: int
-    indptr_off: int
-    total_size: int
-    crc32: int
-    chunks: np.ndarray
-    indptr: np.ndarray
-
-
 def _fail(where: str, message: str) -> FormatError:
     return FormatError(f"{where}: {message}")
 
@@ -128,6 +101,23 @@ class TileHeader:
     indptr_off: int
     total_size: int
     crc32: int
+
+
+@dataclass(frozen=True)
+class TileLayout(TileHeader):
+    """The validated, uncompressed structure of one tile: the header fields plus
+
+    Attributes
+    ----------
+    chunks
+        ``int64`` array of shape ``(n_chunks, 12)`` with the fields of :data:`CHUNK_FIELDS`
+        (version 1 tables are widened with zero-length exception frames).
+    indptr
+        ``int64`` array of ``n_cells + 1`` row offsets (a copy, owned by this object).
+    """
+
+    chunks: np.ndarray
+    indptr: np.ndarray
 
 
 def parse_header(buf, where: str = "<tile>") -> TileHeader:
@@ -195,7 +185,7 @@ def parse_layout(buf, where: str = "<tile>", header: TileHeader | None = None) -
     size = view.nbytes
     h = header if header is not None else parse_header(view, where)
     version, n_cells, nnz, n_genes = h.version, h.n_cells, h.nnz, h.n_genes
-    n_chunks, indptr_off, total_size, crc = h.n_chunks, h.indptr_off, h.total_size, h.crc32
+    n_chunks, indptr_off = h.n_chunks, h.indptr_off
     entry = chunk_entry_size(version)
     table_end = HEADER_SIZE + entry * n_chunks
     if table_end > size:
@@ -242,18 +232,7 @@ def parse_layout(buf, where: str = "<tile>", header: TileHeader | None = None) -
         if raw.shape[1] == 12:
             absent = chunks[:, [VEXC_LEN, GEXC_LEN]] == 0
             chunks[:, [VEXC_OFF, GEXC_OFF]] = np.where(absent, 0, chunks[:, [VEXC_OFF, GEXC_OFF]])
-    return TileLayout(
-        version=version,
-        n_cells=n_cells,
-        nnz=nnz,
-        n_genes=n_genes,
-        n_chunks=n_chunks,
-        indptr_off=indptr_off,
-        total_size=total_size,
-        crc32=crc,
-        chunks=chunks,
-        indptr=indptr,
-    )
+    return TileLayout(**vars(h), chunks=chunks, indptr=indptr)
 
 
 def _check_coverage(raw, indptr, n_cells, nnz, where) -> None:
