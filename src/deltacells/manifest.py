@@ -1,0 +1,352 @@
+"""The dataset manifest and obs schema of FORMAT.md: parsing, validation, fingerprint.
+
+Like :mod:`deltacells.format`, this module does no I/O: it turns JSON text into checked
+objects and back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from deltacells.format import FormatError
+
+__all__ = [
+    "DATASET_FORMAT",
+    "OBS_FORMAT",
+    "Manifest",
+    "ObsColumn",
+    "ObsSchema",
+    "obs_fingerprint",
+    "obs_shard_name",
+    "tile_name",
+]
+
+DATASET_FORMAT = "deltacells-dataset"
+DATASET_VERSION = 2
+READABLE_DATASET_VERSIONS = (1, 2)
+OBS_FORMAT = "deltacells-obs"
+OBS_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+GENE_ORDER_NAME = "gene_order.npy"
+VAR_NAMES_NAME = "var_names.txt"
+VAR_TABLE_NAME = "var.parquet"
+OBS_SCHEMA_NAME = "obs/schema.json"
+CATEGORY_CODE_TYPES = ("int8", "int16", "int32")
+NUMERIC_ARROW_TYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                       "halffloat", "float", "double")  # fmt: skip
+_HEX24 = re.compile(r"^[0-9a-f]{24}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def tile_name(index: int) -> str:
+    """Path of tile ``index`` inside a dataset (``tiles/tile_000123.dct``)."""
+    return f"tiles/tile_{index:06d}.dct"
+
+
+def obs_shard_name(index: int) -> str:
+    """Path of obs shard ``index`` inside a dataset (``obs/obs_0001.parquet``)."""
+    return f"obs/obs_{index:04d}.parquet"
+
+
+def category_code_type(n_categories: int) -> str:
+    """Smallest signed integer type holding codes ``-1 .. n_categories - 1``."""
+    if n_categories <= 2**7 - 1:
+        return "int8"
+    if n_categories <= 2**15 - 1:
+        return "int16"
+    return "int32"
+
+
+@dataclass(frozen=True)
+class ObsColumn:
+    """One obs column: its name, kind (category, numeric, bool, string) and Arrow type."""
+
+    name: str
+    kind: str
+    arrow_type: str
+    categories: list | None = None
+
+    def to_json(self) -> dict:
+        """The column as it appears in ``obs/schema.json``."""
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "arrow_type": self.arrow_type,
+            "categories": self.categories,
+        }
+
+
+@dataclass(frozen=True)
+class ObsSchema:
+    """The obs schema (``obs/schema.json``)."""
+
+    columns: tuple[ObsColumn, ...]
+
+    def to_json_text(self) -> str:
+        """The canonical text written to ``obs/schema.json``."""
+        obj = {
+            "format": OBS_FORMAT,
+            "version": OBS_VERSION,
+            "columns": [c.to_json() for c in self.columns],
+        }
+        return json.dumps(obj, indent=1, ensure_ascii=False)
+
+    @property
+    def names(self) -> list[str]:
+        """Column names in order."""
+        return [c.name for c in self.columns]
+
+    def __getitem__(self, name: str) -> ObsColumn:
+        for column in self.columns:
+            if column.name == name:
+                return column
+        raise KeyError(name)
+
+    @classmethod
+    def from_json_text(cls, text: str, where: str = OBS_SCHEMA_NAME) -> ObsSchema:
+        """Parse and validate ``obs/schema.json``.
+
+        Raises
+        ------
+        FormatError
+            If the schema is not valid JSON or breaks FORMAT.md's obs rules.
+        """
+        try:
+            obj = json.loads(text)
+        except (ValueError, TypeError) as err:
+            raise FormatError(f"{where}: not valid JSON ({err})") from None
+        if not isinstance(obj, dict) or obj.get("format") != OBS_FORMAT:
+            raise FormatError(f"{where}: format is not {OBS_FORMAT!r}")
+        if obj.get("version") != OBS_VERSION:
+            raise FormatError(f"{where}: unsupported obs schema version {obj.get('version')!r}")
+        columns = obj.get("columns")
+        if not isinstance(columns, list):
+            raise FormatError(f"{where}: 'columns' must be a list")
+        parsed, seen = [], set()
+        for i, col in enumerate(columns):
+            if not isinstance(col, dict) or not isinstance(col.get("name"), str):
+                raise FormatError(f"{where}: column {i} has no name")
+            name, kind, arrow_type = col["name"], col.get("kind"), col.get("arrow_type")
+            categories = col.get("categories")
+            if name in seen:
+                raise FormatError(f"{where}: column {name!r} appears twice")
+            seen.add(name)
+            if kind == "category":
+                if not isinstance(categories, list):
+                    raise FormatError(f"{where}: category column {name!r} has no categories list")
+                if arrow_type not in CATEGORY_CODE_TYPES:
+                    raise FormatError(f"{where}: category column {name!r} has codes {arrow_type!r}")
+                limit = {"int8": 2**7 - 1, "int16": 2**15 - 1, "int32": 2**31 - 1}[arrow_type]
+                if len(categories) > limit:
+                    raise FormatError(
+                        f"{where}: column {name!r}: {len(categories)} categories do not fit "
+                        f"{arrow_type} codes"
+                    )
+            elif kind == "numeric":
+                if arrow_type not in NUMERIC_ARROW_TYPES:
+                    raise FormatError(f"{where}: numeric column {name!r} has type {arrow_type!r}")
+            elif kind == "bool":
+                if arrow_type != "bool":
+                    raise FormatError(f"{where}: bool column {name!r} has type {arrow_type!r}")
+            elif kind == "string":
+                if arrow_type != "string":
+                    raise FormatError(f"{where}: string column {name!r} has type {arrow_type!r}")
+            else:
+                raise FormatError(f"{where}: column {name!r} has unknown kind {kind!r}")
+            parsed.append(ObsColumn(name, kind, arrow_type, categories))
+        return cls(tuple(parsed))
+
+
+def obs_fingerprint(schema_text: str, tile_cells: list[int], shard_sha256: list[str]) -> str:
+    """The 24-hex-character obs fingerprint of FORMAT.md, canonical JSON as in NOTES.md."""
+    obj = {"schema": schema_text, "tile_cells": [int(c) for c in tile_cells],
+           "shards": list(shard_sha256)}  # fmt: skip
+    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    return hashlib.sha256(canonical).hexdigest()[:24]
+
+
+def _int_list(obj: dict, key: str, where: str, length: int | None = None) -> list[int]:
+    value = obj.get(key)
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise FormatError(f"{where}: '{key}' must be a list of integers")
+    if length is not None and len(value) != length:
+        raise FormatError(f"{where}: '{key}' has {len(value)} entries, expected {length}")
+    return value
+
+
+def _int(obj: dict, key: str, where: str, minimum: int = 0) -> int:
+    value = obj.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise FormatError(f"{where}: '{key}' must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _bool(obj: dict, key: str, where: str) -> bool:
+    value = obj.get(key, False)
+    if not isinstance(value, bool):
+        raise FormatError(f"{where}: '{key}' must be true or false, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A validated ``manifest.json``.
+
+    Attributes mirror the manifest keys of FORMAT.md; ``metadata`` is the free-form object.
+    """
+
+    version: int
+    n_cells: int
+    n_genes: int
+    tile_size: int
+    tile_cells: list[int]
+    tile_nnz: list[int]
+    tile_bytes: list[int]
+    n_chunks: int
+    zstd_level: int
+    has_gene_order: bool
+    has_var_names: bool
+    has_var_table: bool
+    has_obs: bool
+    obs_tiles_per_file: int | None = None
+    obs_shard_bytes: list[int] | None = None
+    obs_shard_sha256: list[str] | None = None
+    obs_fingerprint: str | None = None
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def n_tiles(self) -> int:
+        """Number of tiles."""
+        return len(self.tile_cells)
+
+    @property
+    def nnz(self) -> int:
+        """Stored nonzeros over all tiles."""
+        return sum(self.tile_nnz)
+
+    @property
+    def limits(self) -> np.ndarray:
+        """Cumulative cell counts: tile ``i`` holds cells ``limits[i-1]:limits[i]``."""
+        return np.cumsum(np.asarray(self.tile_cells, dtype=np.int64))
+
+    @property
+    def n_obs_shards(self) -> int:
+        """Number of obs parquet shards."""
+        if not self.has_obs or not self.obs_tiles_per_file:
+            return 0
+        return math.ceil(self.n_tiles / self.obs_tiles_per_file)
+
+    def to_json_text(self) -> str:
+        """The manifest as JSON text."""
+        obj: dict[str, Any] = {
+            "format": DATASET_FORMAT,
+            "version": self.version,
+            "n_cells": self.n_cells,
+            "n_genes": self.n_genes,
+            "tile_size": self.tile_size,
+            "tile_cells": self.tile_cells,
+            "tile_nnz": self.tile_nnz,
+            "tile_bytes": self.tile_bytes,
+            "n_chunks": self.n_chunks,
+            "zstd_level": self.zstd_level,
+            "has_gene_order": self.has_gene_order,
+            "has_var_names": self.has_var_names,
+            "has_var_table": self.has_var_table,
+            "has_obs": self.has_obs,
+        }
+        if self.has_obs:
+            obj |= {
+                "obs_tiles_per_file": self.obs_tiles_per_file,
+                "obs_shard_bytes": self.obs_shard_bytes,
+                "obs_shard_sha256": self.obs_shard_sha256,
+                "obs_fingerprint": self.obs_fingerprint,
+            }
+        obj["metadata"] = self.metadata
+        return json.dumps(obj, indent=1)
+
+    @classmethod
+    def from_json_text(cls, text: str | bytes, where: str = MANIFEST_NAME) -> Manifest:
+        """Parse a manifest and check it is complete and self-consistent.
+
+        Raises
+        ------
+        FormatError
+            For unknown formats or versions, missing keys and inconsistent counts.
+        """
+        try:
+            obj = json.loads(text)
+        except (ValueError, TypeError) as err:
+            raise FormatError(f"{where}: not valid JSON ({err})") from None
+        if not isinstance(obj, dict):
+            raise FormatError(f"{where}: the manifest must be a JSON object")
+        if obj.get("format") != DATASET_FORMAT:
+            raise FormatError(f"{where}: format is {obj.get('format')!r}, not {DATASET_FORMAT!r}")
+        version = obj.get("version")
+        if version not in READABLE_DATASET_VERSIONS:
+            raise FormatError(f"{where}: unsupported dataset version {version!r} (reads 1 and 2)")
+        n_cells = _int(obj, "n_cells", where)
+        n_genes = _int(obj, "n_genes", where, 1)
+        tile_size = _int(obj, "tile_size", where, 1)
+        tile_cells = _int_list(obj, "tile_cells", where)
+        n_tiles = len(tile_cells)
+        tile_nnz = _int_list(obj, "tile_nnz", where, n_tiles)
+        tile_bytes = _int_list(obj, "tile_bytes", where, n_tiles)
+        if sum(tile_cells) != n_cells:
+            raise FormatError(f"{where}: tile_cells add up to {sum(tile_cells)}, n_cells is {n_cells}")
+        for i, cells in enumerate(tile_cells):
+            expected_full = i < n_tiles - 1
+            if (expected_full and cells != tile_size) or not 1 <= cells <= tile_size:
+                raise FormatError(
+                    f"{where}: tile {i} holds {cells} cells; every tile but the last holds "
+                    f"tile_size={tile_size}, the last 1..{tile_size}"
+                )
+        for i in range(n_tiles):
+            if tile_nnz[i] < 0 or tile_nnz[i] > tile_cells[i] * n_genes:
+                raise FormatError(f"{where}: tile {i} claims {tile_nnz[i]} nonzeros")
+            if tile_bytes[i] < 64:
+                raise FormatError(f"{where}: tile {i} claims {tile_bytes[i]} bytes (< header)")
+        has_obs = _bool(obj, "has_obs", where)
+        fields: dict[str, Any] = {}
+        if has_obs:
+            per_file = _int(obj, "obs_tiles_per_file", where, 1)
+            n_shards = math.ceil(n_tiles / per_file)
+            shard_bytes = _int_list(obj, "obs_shard_bytes", where, n_shards)
+            sha = obj.get("obs_shard_sha256")
+            if not isinstance(sha, list) or len(sha) != n_shards:
+                raise FormatError(f"{where}: 'obs_shard_sha256' must list {n_shards} hashes")
+            if not all(isinstance(h, str) and _HEX64.match(h) for h in sha):
+                raise FormatError(f"{where}: 'obs_shard_sha256' holds a malformed SHA-256")
+            fingerprint = obj.get("obs_fingerprint")
+            if not isinstance(fingerprint, str) or not _HEX24.match(fingerprint):
+                raise FormatError(f"{where}: 'obs_fingerprint' must be 24 lowercase hex digits")
+            fields = {"obs_tiles_per_file": per_file, "obs_shard_bytes": shard_bytes,
+                      "obs_shard_sha256": sha, "obs_fingerprint": fingerprint}  # fmt: skip
+        metadata = obj.get("metadata", {})
+        if not isinstance(metadata, dict):
+            raise FormatError(f"{where}: 'metadata' must be a JSON object")
+        return cls(
+            version=version,
+            n_cells=n_cells,
+            n_genes=n_genes,
+            tile_size=tile_size,
+            tile_cells=tile_cells,
+            tile_nnz=tile_nnz,
+            tile_bytes=tile_bytes,
+            n_chunks=_int(obj, "n_chunks", where),
+            zstd_level=obj.get("zstd_level") if isinstance(obj.get("zstd_level"), int) else 0,
+            has_gene_order=_bool(obj, "has_gene_order", where),
+            has_var_names=_bool(obj, "has_var_names", where),
+            has_var_table=_bool(obj, "has_var_table", where),
+            has_obs=has_obs,
+            metadata=metadata,
+            **fields,
+        )
