@@ -1,16 +1,30 @@
 """deltacells: the AnnData IO backend for the deltacells single-cell count-matrix format.
 
-The tile codec is available now: :func:`encode_tile`, :func:`decode_tile` and :class:`Tile`.
+Tiles: :func:`encode_tile`, :func:`decode_tile`, :class:`Tile`. Datasets:
+:func:`write_deltacells`, :func:`open_dataset`.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
-from deltacells.codec import DEFAULT_LEVEL, Tile, decode_tile, encode_tile
+from deltacells.codec import DEFAULT_LEVEL, CountError, Tile, decode_tile, encode_tile
+from deltacells.dataset import Dataset, open_dataset
 from deltacells.format import FormatError
+from deltacells.writer import write_deltacells
 
 try:
     __version__ = version("deltacells")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
-__all__ = ["DEFAULT_LEVEL", "FormatError", "Tile", "__version__", "decode_tile", "encode_tile"]
+__all__ = [
+    "DEFAULT_LEVEL",
+    "CountError",
+    "Dataset",
+    "FormatError",
+    "Tile",
+    "__version__",
+    "decode_tile",
+    "encode_tile",
+    "open_dataset",
+    "write_deltacells",
+]

@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_LEVEL",
     "DEFAULT_N_CHUNKS",
     "VALUE_DTYPES",
+    "CountError",
     "Tile",
     "canonical_csr",
     "chunk_bounds",
@@ -82,10 +83,26 @@ def _value_dtype(values_dtype: DTypeLike) -> np.dtype:
     return dtype
 
 
-def _first_bad(mask: np.ndarray, indptr: np.ndarray, indices: np.ndarray) -> str:
+class CountError(ValueError):
+    """A value that is not a count (negative, non-integral, non-finite or >= 2^31).
+
+    Attributes
+    ----------
+    problem
+        What is wrong, e.g. ``"negative count"``.
+    cell, gene
+        Row and column of the first offending entry.
+    """
+
+    def __init__(self, problem: str, cell: int, gene: int) -> None:
+        super().__init__(f"{problem} at cell {cell}, gene {gene}")
+        self.problem, self.cell, self.gene = problem, cell, gene
+
+
+def _raise_first(problem: str, mask: np.ndarray, indptr: np.ndarray, indices: np.ndarray):
     pos = int(np.flatnonzero(mask)[0])
     cell = int(np.searchsorted(indptr, pos, side="right")) - 1
-    return f"cell {cell}, gene {int(indices[pos])}"
+    raise CountError(problem, cell, int(indices[pos]))
 
 
 def canonical_csr(matrix: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, int]]:
@@ -107,7 +124,7 @@ def canonical_csr(matrix: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, tupl
 
     Raises
     ------
-    ValueError
+    CountError
         For negative, non-integral, non-finite or too-large values, naming the first cell and
         gene that has one.
     """
@@ -144,17 +161,17 @@ def canonical_csr(matrix: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, tupl
     if kind == "f":
         bad = ~np.isfinite(data)
         if bad.any():
-            raise ValueError(f"non-finite count (NaN or inf) at {_first_bad(bad, indptr, indices)}")
+            _raise_first("non-finite count (NaN or inf)", bad, indptr, indices)
         bad = data != np.floor(data)
         if bad.any():
-            raise ValueError(f"non-integral count at {_first_bad(bad, indptr, indices)}")
+            _raise_first("non-integral count", bad, indptr, indices)
     if data.size:
         bad = data < 0
         if bad.any():
-            raise ValueError(f"negative count at {_first_bad(bad, indptr, indices)}")
+            _raise_first("negative count", bad, indptr, indices)
         bad = data > MAX_COUNT
         if bad.any():
-            raise ValueError(f"count >= 2^31 at {_first_bad(bad, indptr, indices)}")
+            _raise_first("count >= 2^31", bad, indptr, indices)
     zeros = data == 0
     if zeros.any():
         keep = ~zeros

@@ -301,7 +301,9 @@ class Manifest:
         tile_nnz = _int_list(obj, "tile_nnz", where, n_tiles)
         tile_bytes = _int_list(obj, "tile_bytes", where, n_tiles)
         if sum(tile_cells) != n_cells:
-            raise FormatError(f"{where}: tile_cells add up to {sum(tile_cells)}, n_cells is {n_cells}")
+            raise FormatError(
+                f"{where}: tile_cells add up to {sum(tile_cells)}, n_cells is {n_cells}"
+            )
         for i, cells in enumerate(tile_cells):
             expected_full = i < n_tiles - 1
             if (expected_full and cells != tile_size) or not 1 <= cells <= tile_size:

@@ -1,0 +1,139 @@
+"""The ``deltacells`` command: convert, info, verify."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from deltacells.codec import DEFAULT_LEVEL, DEFAULT_N_CHUNKS
+from deltacells.dataset import open_dataset
+from deltacells.format import FormatError
+from deltacells.writer import DEFAULT_TILE_SIZE, JOINS, write_deltacells
+
+__all__ = ["main"]
+
+
+def _convert(args: argparse.Namespace) -> int:
+    sources = args.src if len(args.src) > 1 else args.src[0]
+    manifest = write_deltacells(
+        sources,
+        args.dst,
+        tile_size=args.tile_size,
+        n_chunks=args.n_chunks,
+        zstd_level=args.level,
+        gene_order=args.gene_order,
+        obs=not args.no_obs,
+        var=not args.no_var,
+        layer=args.layer,
+        use_raw=args.raw,
+        join=args.join,
+        shuffle=args.shuffle,
+        seed=args.seed,
+        obs_exclude=args.obs_exclude,
+        n_threads=args.threads,
+        n_workers=args.workers,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+    )
+    if not args.quiet:
+        size = sum(manifest.tile_bytes)
+        per_nnz = size / manifest.nnz if manifest.nnz else 0.0
+        print(
+            f"wrote {args.dst}: {manifest.n_cells} cells x {manifest.n_genes} genes in "
+            f"{manifest.n_tiles} tiles, {size / 1e6:.1f} MB ({per_nnz:.3f} bytes/nonzero)"
+        )
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    info = open_dataset(args.path).info()
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(f"{info['location']} (format version {info['version']})")
+    print(f"  cells x genes    {info['n_cells']:,} x {info['n_genes']:,}")
+    print(f"  tiles            {info['n_tiles']} of up to {info['tile_size']:,} cells, "
+          f"{info['n_chunks']} chunks, zstd level {info['zstd_level']}")  # fmt: skip
+    print(f"  nonzeros         {info['nnz']:,}")
+    print(
+        f"  tile bytes       {info['tile_bytes']:,} ({info['bytes_per_nonzero']:.3f} per nonzero)"
+    )
+    print(f"  genes sorted     {'by total counts' if info['gene_order'] else 'no'}")
+    columns = info["obs_columns"]
+    print(f"  obs columns      {len(columns)}")
+    for name, kind in columns.items():
+        print(f"    {name}: {kind}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    dataset = open_dataset(args.path)
+    progress = None
+    if not args.quiet:
+        from tqdm.auto import tqdm
+
+        def progress(tiles):
+            return tqdm(tiles, desc="verifying tiles", unit="tile", leave=False)
+
+    dataset.verify(progress)
+    if not args.quiet:
+        print(f"{args.path}: OK ({dataset.manifest.n_tiles} tiles, CRC and full decode)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``deltacells`` command."""
+    parser = argparse.ArgumentParser(prog="deltacells", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    convert = sub.add_parser("convert", help="write .h5ad/.zarr inputs as a deltacells dataset")
+    convert.add_argument("src", nargs="+", help="input .h5ad or .zarr (several: an atlas)")
+    convert.add_argument("dst", help="target directory or fsspec URL")
+    convert.add_argument("--tile-size", type=int, default=DEFAULT_TILE_SIZE)
+    convert.add_argument("--n-chunks", type=int, default=DEFAULT_N_CHUNKS)
+    convert.add_argument(
+        "--level", type=int, default=DEFAULT_LEVEL, help="zstd level (19: smallest)"
+    )
+    convert.add_argument("--gene-order", choices=["total_counts", "none"], default="total_counts")
+    convert.add_argument("--layer", help="take counts from this layer instead of X")
+    convert.add_argument("--raw", action="store_true", help="take counts from .raw")
+    convert.add_argument("--join", choices=JOINS, default="same")
+    convert.add_argument(
+        "--shuffle", action="store_true", help="write cells in a seeded random order"
+    )
+    convert.add_argument("--seed", type=int, default=0)
+    convert.add_argument("--obs-exclude", nargs="*", default=[], metavar="COLUMN")
+    convert.add_argument("--no-obs", action="store_true")
+    convert.add_argument("--no-var", action="store_true")
+    convert.add_argument("--threads", type=int, default=None)
+    convert.add_argument("--workers", type=int, default=1, help="processes encoding tiles")
+    convert.add_argument("--overwrite", action="store_true")
+    convert.add_argument("--quiet", action="store_true", help="no progress bars or summary")
+    convert.set_defaults(run=_convert)
+
+    info = sub.add_parser("info", help="summarise a dataset")
+    info.add_argument("path")
+    info.add_argument("--json", action="store_true")
+    info.set_defaults(run=_info)
+
+    verify = sub.add_parser("verify", help="check every tile, shard and the manifest")
+    verify.add_argument("path")
+    verify.add_argument("--quiet", action="store_true")
+    verify.set_defaults(run=_verify)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (1 for invalid data, 2 for usage)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (FormatError, FileNotFoundError, FileExistsError, ValueError, KeyError) as err:
+        print(f"deltacells {args.command}: error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

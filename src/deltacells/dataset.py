@@ -1,0 +1,289 @@
+"""A deltacells dataset on a store: manifest, tiles, gene order, var and obs files.
+
+Opening reads ``manifest.json`` only; everything else is read when asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from deltacells.codec import Tile
+from deltacells.format import FormatError
+from deltacells.manifest import (
+    GENE_ORDER_NAME,
+    MANIFEST_NAME,
+    OBS_SCHEMA_NAME,
+    VAR_NAMES_NAME,
+    VAR_TABLE_NAME,
+    Manifest,
+    ObsSchema,
+    obs_fingerprint,
+    obs_shard_name,
+    tile_name,
+)
+from deltacells.storage import Store, open_store
+
+__all__ = ["Dataset", "open_dataset"]
+
+
+class Dataset:
+    """An opened dataset (see :func:`open_dataset`).
+
+    Attributes
+    ----------
+    store
+        Where the dataset lives.
+    manifest
+        The validated manifest.
+    """
+
+    def __init__(self, store: Store, manifest: Manifest) -> None:
+        self.store = store
+        self.manifest = manifest
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(cells, genes)."""
+        return (self.manifest.n_cells, self.manifest.n_genes)
+
+    def __repr__(self) -> str:
+        m = self.manifest
+        return f"Dataset({self.store.describe()!r}, shape={self.shape}, tiles={m.n_tiles})"
+
+    # -- tiles ---------------------------------------------------------------------------------
+
+    def tile_blob(self, index: int) -> bytes:
+        """The bytes of tile ``index``, checked against the manifest's size."""
+        name = tile_name(index)
+        blob = self.store.read_bytes(name)
+        if len(blob) != self.manifest.tile_bytes[index]:
+            raise FormatError(
+                f"{self.store.describe(name)}: {len(blob)} bytes, the manifest says "
+                f"{self.manifest.tile_bytes[index]}"
+            )
+        return blob
+
+    def tile(self, index: int, *, verify_crc: bool = True, n_threads: int | None = None) -> Tile:
+        """Tile ``index`` parsed and validated, checked against the manifest's counts."""
+        name = self.store.describe(tile_name(index))
+        tile = Tile(self.tile_blob(index), name=name, verify_crc=verify_crc, n_threads=n_threads)
+        m = self.manifest
+        if tile.shape != (m.tile_cells[index], m.n_genes) or tile.nnz != m.tile_nnz[index]:
+            raise FormatError(
+                f"{name}: holds {tile.shape[0]} cells x {tile.shape[1]} genes, {tile.nnz} "
+                f"nonzeros; the manifest says {m.tile_cells[index]} x {m.n_genes}, "
+                f"{m.tile_nnz[index]}"
+            )
+        return tile
+
+    # -- genes ---------------------------------------------------------------------------------
+
+    def gene_order(self) -> np.ndarray | None:
+        """``gene_order[j]`` is the source column of stored column ``j`` (None if absent)."""
+        if not self.manifest.has_gene_order:
+            return None
+        where = self.store.describe(GENE_ORDER_NAME)
+        try:
+            order = np.load(io.BytesIO(self.store.read_bytes(GENE_ORDER_NAME)), allow_pickle=False)
+        except ValueError as err:
+            raise FormatError(f"{where}: not a .npy array ({err})") from None
+        n = self.manifest.n_genes
+        if order.ndim != 1 or len(order) != n or order.dtype.kind not in "iu":
+            raise FormatError(f"{where}: expected {n} integers, got {order.dtype} {order.shape}")
+        if not np.array_equal(np.sort(order), np.arange(n)):
+            raise FormatError(f"{where}: not a permutation of 0..{n - 1}")
+        return order.astype(np.int64)
+
+    def var_names(self) -> list[str] | None:
+        """Gene names in stored order (None if absent)."""
+        if not self.manifest.has_var_names:
+            return None
+        names = self.store.read_bytes(VAR_NAMES_NAME).decode("utf-8").split("\n")
+        if names and names[-1] == "":
+            names.pop()
+        if len(names) != self.manifest.n_genes:
+            raise FormatError(
+                f"{self.store.describe(VAR_NAMES_NAME)}: {len(names)} names for "
+                f"{self.manifest.n_genes} genes"
+            )
+        return names
+
+    def var(self) -> pd.DataFrame | None:
+        """The gene table in stored order, pandas index restored (None if absent)."""
+        if not self.manifest.has_var_table:
+            return None
+        import pyarrow.parquet as pq
+
+        where = self.store.describe(VAR_TABLE_NAME)
+        try:
+            table = pq.read_table(io.BytesIO(self.store.read_bytes(VAR_TABLE_NAME)))
+        except (OSError, ValueError) as err:
+            raise FormatError(f"{where}: unreadable parquet ({err})") from None
+        var = table.to_pandas()
+        if len(var) != self.manifest.n_genes:
+            raise FormatError(f"{where}: {len(var)} rows for {self.manifest.n_genes} genes")
+        return var
+
+    # -- obs -----------------------------------------------------------------------------------
+
+    def obs_schema(self) -> ObsSchema | None:
+        """The obs schema (None if the dataset has no obs)."""
+        if not self.manifest.has_obs:
+            return None
+        text = self.store.read_bytes(OBS_SCHEMA_NAME).decode("utf-8")
+        return ObsSchema.from_json_text(text, self.store.describe(OBS_SCHEMA_NAME))
+
+    def obs_shard(self, index: int) -> bytes:
+        """Obs shard ``index``, checked against the manifest's size and SHA-256."""
+        name = obs_shard_name(index)
+        data = self.store.read_bytes(name)
+        m = self.manifest
+        if len(data) != m.obs_shard_bytes[index]:
+            raise FormatError(
+                f"{self.store.describe(name)}: {len(data)} bytes, manifest says "
+                f"{m.obs_shard_bytes[index]}"
+            )
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != m.obs_shard_sha256[index]:
+            raise FormatError(f"{self.store.describe(name)}: SHA-256 {digest} != manifest's")
+        return data
+
+    def read_obs(self, columns: list[str] | None = None) -> pd.DataFrame:
+        """All obs columns (or ``columns``) read whole from the shards, in cell order.
+
+        Category columns come back as pandas categoricals with their global vocabulary.
+        """
+        import pyarrow.parquet as pq
+
+        schema = self.obs_schema()
+        if schema is None:
+            return pd.DataFrame(index=pd.RangeIndex(self.manifest.n_cells))
+        names = schema.names if columns is None else list(columns)
+        parts = []
+        for s in range(self.manifest.n_obs_shards):
+            table = pq.read_table(io.BytesIO(self.obs_shard(s)), columns=names)
+            parts.append(table.to_pandas())
+        frame = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=names)
+        for name in names:
+            column = schema[name]
+            if column.kind == "category":
+                frame[name] = pd.Categorical.from_codes(
+                    frame[name].to_numpy().astype(np.int64), categories=column.categories
+                )
+        return frame
+
+    # -- whole-dataset checks ------------------------------------------------------------------
+
+    def iter_tiles(self, *, verify_crc: bool = True) -> Iterator[tuple[int, Tile]]:
+        """Every tile in order."""
+        for i in range(self.manifest.n_tiles):
+            yield i, self.tile(i, verify_crc=verify_crc)
+
+    def verify(self, progress: Callable[[Any], Any] | None = None) -> None:
+        """Check everything: every tile's CRC and full decode, obs shards, schema, fingerprint,
+        gene order and gene tables against the manifest.
+
+        Raises
+        ------
+        FormatError
+            Naming the first problem found.
+        """
+        m = self.manifest
+        tiles = range(m.n_tiles)
+        for i in progress(tiles) if progress else tiles:
+            tile = self.tile(i)
+            tile.decode(np.int32)
+        self.gene_order()
+        self.var_names()
+        self.var()
+        if m.has_obs:
+            schema_text = self.store.read_bytes(OBS_SCHEMA_NAME).decode("utf-8")
+            schema = ObsSchema.from_json_text(schema_text, self.store.describe(OBS_SCHEMA_NAME))
+            for s in range(m.n_obs_shards):
+                self._check_obs_shard(s, schema)
+            expected = obs_fingerprint(schema_text, m.tile_cells, m.obs_shard_sha256)
+            if expected != m.obs_fingerprint:
+                raise FormatError(
+                    f"{self.store.describe(MANIFEST_NAME)}: obs_fingerprint {m.obs_fingerprint} "
+                    f"!= {expected} computed from the schema and shards"
+                )
+
+    def _check_obs_shard(self, index: int, schema: ObsSchema) -> None:
+        import pyarrow.parquet as pq
+
+        name = self.store.describe(obs_shard_name(index))
+        meta = pq.ParquetFile(io.BytesIO(self.obs_shard(index))).metadata
+        m = self.manifest
+        k = m.obs_tiles_per_file
+        tiles = range(index * k, min((index + 1) * k, m.n_tiles))
+        if meta.num_row_groups != len(tiles):
+            raise FormatError(f"{name}: {meta.num_row_groups} row groups, expected {len(tiles)}")
+        for g, t in enumerate(tiles):
+            if meta.row_group(g).num_rows != m.tile_cells[t]:
+                raise FormatError(
+                    f"{name}: row group {g} has {meta.row_group(g).num_rows} rows, "
+                    f"tile {t} has {m.tile_cells[t]} cells"
+                )
+        arrow_schema = meta.schema.to_arrow_schema()
+        if arrow_schema.names != schema.names:
+            raise FormatError(f"{name}: columns {arrow_schema.names} != schema {schema.names}")
+        for column in schema.columns:
+            actual = str(arrow_schema.field(column.name).type)
+            if actual != column.arrow_type:
+                raise FormatError(
+                    f"{name}: column {column.name!r} is {actual}, schema says {column.arrow_type}"
+                )
+
+    def info(self) -> dict:
+        """A summary: cells, genes, tiles, sizes, bytes per nonzero, obs columns and kinds."""
+        m = self.manifest
+        schema = self.obs_schema()
+        tile_bytes = sum(m.tile_bytes)
+        return {
+            "location": self.store.describe(),
+            "version": m.version,
+            "n_cells": m.n_cells,
+            "n_genes": m.n_genes,
+            "n_tiles": m.n_tiles,
+            "tile_size": m.tile_size,
+            "nnz": m.nnz,
+            "tile_bytes": tile_bytes,
+            "bytes_per_nonzero": tile_bytes / m.nnz if m.nnz else 0.0,
+            "n_chunks": m.n_chunks,
+            "zstd_level": m.zstd_level,
+            "gene_order": m.has_gene_order,
+            "obs_columns": {c.name: c.kind for c in schema.columns} if schema else {},
+        }
+
+
+def open_dataset(
+    url_or_path: str | os.PathLike | Store, *, storage_options: dict | None = None
+) -> Dataset:
+    """Open a dataset: read and validate ``manifest.json`` (nothing else).
+
+    Raises
+    ------
+    FormatError
+        ``"incomplete dataset"`` when the root exists without a manifest (an interrupted write),
+        or for an invalid manifest.
+    FileNotFoundError
+        When there is nothing at that location.
+    """
+    store = open_store(url_or_path, storage_options)
+    if not store.exists(MANIFEST_NAME):
+        if store.list():
+            raise FormatError(
+                f"{store.describe()}: incomplete dataset (no {MANIFEST_NAME}); the write that "
+                "made it did not finish"
+            )
+        raise FileNotFoundError(f"{store.describe()}: no deltacells dataset there")
+    text = store.read_bytes(MANIFEST_NAME)
+    manifest = Manifest.from_json_text(text, store.describe(MANIFEST_NAME))
+    return Dataset(store, manifest)

@@ -1,0 +1,161 @@
+"""Byte access to a dataset root: a local directory or any fsspec URL.
+
+Local paths use the file system directly (``pread``-style reads, temporary file + rename for
+atomic writes). Everything else goes through fsspec (``s3://``, ``gs://``, ``memory://``, ...);
+there an object appears whole when its single PUT completes, which is what atomic means on
+object stores.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from deltacells.format import FormatError
+
+__all__ = ["Store", "open_store"]
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+class Store:
+    """A dataset root that can read, write and list objects by relative name.
+
+    Parameters
+    ----------
+    root
+        A local directory, a ``file://`` URL or an fsspec URL.
+    storage_options
+        Passed to fsspec for URLs (credentials, endpoint, ...).
+    """
+
+    def __init__(self, root: str | os.PathLike, storage_options: dict | None = None) -> None:
+        root = os.fspath(root)
+        self.url = root
+        self.storage_options = dict(storage_options or {})
+        if root.startswith("file://"):
+            root = root[len("file://") :]
+        self.is_local = not _is_url(root)
+        if self.is_local:
+            self._root = Path(root)
+            self._fs: Any = None
+        else:
+            import fsspec
+
+            self._fs, self._root_path = fsspec.core.url_to_fs(root, **self.storage_options)
+
+    # -- naming --------------------------------------------------------------------------------
+
+    def _path(self, name: str) -> str:
+        if self.is_local:
+            return str(self._root / name)
+        return f"{self._root_path.rstrip('/')}/{name}" if name else self._root_path
+
+    def describe(self, name: str = "") -> str:
+        """Human-readable location of ``name`` (used in error messages)."""
+        if self.is_local:
+            return self._path(name)
+        return f"{self.url.rstrip('/')}/{name}" if name else self.url
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def exists(self, name: str) -> bool:
+        """Whether object ``name`` exists."""
+        if self.is_local:
+            return Path(self._path(name)).exists()
+        return self._fs.exists(self._path(name))
+
+    def size(self, name: str) -> int:
+        """Size of object ``name`` in bytes."""
+        try:
+            if self.is_local:
+                return os.stat(self._path(name)).st_size
+            return int(self._fs.size(self._path(name)))
+        except FileNotFoundError:
+            raise FormatError(f"{self.describe(name)}: missing") from None
+
+    def read_bytes(self, name: str) -> bytes:
+        """The whole object ``name``."""
+        try:
+            if self.is_local:
+                return Path(self._path(name)).read_bytes()
+            return self._fs.cat_file(self._path(name))
+        except FileNotFoundError:
+            raise FormatError(f"{self.describe(name)}: missing") from None
+
+    def read_range(self, name: str, start: int, stop: int) -> bytes:
+        """Bytes ``start:stop`` of object ``name``."""
+        try:
+            if self.is_local:
+                with open(self._path(name), "rb") as f:
+                    return os.pread(f.fileno(), stop - start, start)
+            return self._fs.cat_file(self._path(name), start=start, end=stop)
+        except FileNotFoundError:
+            raise FormatError(f"{self.describe(name)}: missing") from None
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Names of all objects below ``prefix`` (recursively), relative to the root."""
+        if self.is_local:
+            base = Path(self._path(prefix))
+            if not base.exists():
+                return []
+            if base.is_file():
+                return [prefix]
+            return sorted(str(p.relative_to(self._root)) for p in base.rglob("*") if p.is_file())
+        base = self._path(prefix)
+        if not self._fs.exists(base):
+            return []
+        root = self._root_path.rstrip("/") + "/"
+        return sorted(p[len(root) :] if p.startswith(root) else p for p in self._fs.find(base))
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        """Write object ``name`` so that it appears whole or not at all."""
+        if self.is_local:
+            target = Path(self._path(name))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, target)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        else:
+            self._fs.pipe_file(self._path(name), data)
+
+    def remove(self, name: str) -> None:
+        """Delete object ``name`` if it exists."""
+        if self.is_local:
+            Path(self._path(name)).unlink(missing_ok=True)
+        elif self._fs.exists(self._path(name)):
+            self._fs.rm_file(self._path(name))
+
+    def remove_all(self) -> None:
+        """Delete everything below the root (the root itself stays)."""
+        for name in self.list():
+            self.remove(name)
+        if self.is_local:
+            for d in sorted(self._root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+                if d.is_dir():
+                    d.rmdir()
+
+    def make_root(self) -> None:
+        """Create the root directory (a no-op on object stores)."""
+        if self.is_local:
+            self._root.mkdir(parents=True, exist_ok=True)
+
+
+def open_store(root: str | os.PathLike | Store, storage_options: dict | None = None) -> Store:
+    """A :class:`Store` for ``root`` (returned as is if it already is one)."""
+    if isinstance(root, Store):
+        return root
+    return Store(root, storage_options)

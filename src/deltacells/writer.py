@@ -1,0 +1,826 @@
+"""Write AnnData (in memory, backed, or .h5ad / .zarr files, or a list of them) as a dataset.
+
+Two passes over the counts, each in row blocks so X is never loaded whole: the first checks
+every value and adds up gene totals (for the gene order), the second encodes tiles. Nothing is
+written before the first pass succeeds. Tiles and shards appear atomically, the manifest last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import scipy.sparse as sp
+
+from deltacells.codec import DEFAULT_LEVEL, DEFAULT_N_CHUNKS, CountError, canonical_csr, encode_tile
+from deltacells.manifest import (
+    GENE_ORDER_NAME,
+    MANIFEST_NAME,
+    OBS_SCHEMA_NAME,
+    VAR_NAMES_NAME,
+    VAR_TABLE_NAME,
+    Manifest,
+    ObsColumn,
+    ObsSchema,
+    category_code_type,
+    obs_fingerprint,
+    obs_shard_name,
+    tile_name,
+)
+from deltacells.storage import Store, open_store
+
+__all__ = ["DEFAULT_TILE_SIZE", "OBS_INDEX_COLUMN", "write_deltacells"]
+
+#: Cells per tile by default: about 3 MB per tile on typical 10x data, a good object size for
+#: one GET, and small enough that shuffling buffers of several tiles stay modest.
+DEFAULT_TILE_SIZE = 4096
+#: The obs column that holds obs_names.
+OBS_INDEX_COLUMN = "_index"
+CELL_ORDER_NAME = "cell_order.npy"
+JOINS = ("same", "inner", "outer")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the source in row blocks
+
+
+class _RowReader:
+    """Rows of one input matrix as scipy CSR blocks (columns in the input's own order)."""
+
+    def block(self, start: int, stop: int) -> sp.csr_matrix:
+        raise NotImplementedError
+
+    def rows(self, sorted_rows: np.ndarray) -> sp.csr_matrix:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release temporary files."""
+
+
+class _CsrReader(_RowReader):
+    """In-memory scipy CSR or anndata's backed CSR dataset (both slice rows cheaply)."""
+
+    def __init__(self, matrix: Any) -> None:
+        self.matrix = matrix
+
+    def block(self, start: int, stop: int) -> sp.csr_matrix:
+        return sp.csr_matrix(self.matrix[start:stop])
+
+    def rows(self, sorted_rows: np.ndarray) -> sp.csr_matrix:
+        return sp.csr_matrix(self.matrix[sorted_rows])
+
+
+class _DenseReader(_RowReader):
+    """A dense numpy, h5py or zarr array."""
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+    def block(self, start: int, stop: int) -> sp.csr_matrix:
+        return sp.csr_matrix(np.asarray(self.array[start:stop]))
+
+    def rows(self, sorted_rows: np.ndarray) -> sp.csr_matrix:
+        if hasattr(self.array, "oindex"):  # zarr
+            return sp.csr_matrix(np.asarray(self.array.oindex[sorted_rows, :]))
+        return sp.csr_matrix(np.asarray(self.array[sorted_rows]))
+
+
+class _CscSpillReader(_RowReader):
+    """A CSC matrix on disk, turned into CSR in bounded memory.
+
+    Row slices of a CSC matrix touch every column, so the matrix is transposed once through
+    memory-mapped temporary files: count nonzeros per row, then scatter column blocks into
+    their rows. Memory holds one column block and the per-row counts.
+    """
+
+    def __init__(self, dataset: Any, shape: tuple[int, int], block_nnz: int = 2**24) -> None:
+        n_rows = shape[0]
+        self._tmp = tempfile.TemporaryDirectory(prefix="deltacells-csc-")
+        indptr_src = np.asarray(dataset.group["indptr"][:], dtype=np.int64)
+        indices_src, data_src = dataset.group["indices"], dataset.group["data"]
+        nnz = int(indptr_src[-1])
+        col_blocks = _column_blocks(indptr_src, block_nnz)
+        row_nnz = np.zeros(n_rows, dtype=np.int64)
+        for j0, j1 in col_blocks:
+            rows = np.asarray(indices_src[indptr_src[j0] : indptr_src[j1]], dtype=np.int64)
+            row_nnz += np.bincount(rows, minlength=n_rows)
+        indptr = np.zeros(n_rows + 1, dtype=np.int64)
+        np.cumsum(row_nnz, out=indptr[1:])
+        tmp = Path(self._tmp.name)
+        shape1 = (max(nnz, 1),)
+        indices = np.memmap(tmp / "indices.bin", dtype=np.int32, mode="w+", shape=shape1)
+        data = np.memmap(tmp / "data.bin", dtype=data_src.dtype, mode="w+", shape=shape1)
+        fill = indptr[:-1].copy()
+        for j0, j1 in col_blocks:
+            a, b = int(indptr_src[j0]), int(indptr_src[j1])
+            rows = np.asarray(indices_src[a:b], dtype=np.int64)
+            cols = np.repeat(np.arange(j0, j1, dtype=np.int32), np.diff(indptr_src[j0 : j1 + 1]))
+            values = np.asarray(data_src[a:b])
+            # Columns are visited in increasing order, so each row receives its entries sorted.
+            order = np.argsort(rows, kind="stable")
+            rows, cols, values = rows[order], cols[order], values[order]
+            counts = np.bincount(rows, minlength=n_rows)
+            first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            rank = np.arange(len(rows)) - first[rows]
+            positions = fill[rows] + rank
+            indices[positions] = cols
+            data[positions] = values
+            fill += counts
+        indices.flush()
+        data.flush()
+        self.matrix = sp.csr_matrix((data[:nnz], indices[:nnz], indptr), shape=shape, copy=False)
+
+    def block(self, start: int, stop: int) -> sp.csr_matrix:
+        return sp.csr_matrix(self.matrix[start:stop], copy=True)
+
+    def rows(self, sorted_rows: np.ndarray) -> sp.csr_matrix:
+        return sp.csr_matrix(self.matrix[sorted_rows], copy=True)
+
+    def close(self) -> None:
+        self.matrix = None
+        self._tmp.cleanup()
+
+
+def _column_blocks(indptr: np.ndarray, block_nnz: int) -> list[tuple[int, int]]:
+    """Consecutive column ranges holding about ``block_nnz`` nonzeros each."""
+    n_cols = len(indptr) - 1
+    blocks, j0 = [], 0
+    while j0 < n_cols:
+        j1 = int(np.searchsorted(indptr, indptr[j0] + block_nnz, side="right")) - 1
+        j1 = min(max(j1, j0 + 1), n_cols)
+        blocks.append((j0, j1))
+        j0 = j1
+    return blocks
+
+
+def _reader_for(matrix: Any) -> _RowReader:
+    """A row reader for an in-memory or backed X."""
+    if sp.issparse(matrix):
+        return _CsrReader(matrix if matrix.format == "csr" else matrix.tocsr())
+    fmt = getattr(matrix, "format", None)
+    if fmt == "csr":
+        return _CsrReader(matrix)
+    if fmt == "csc":
+        return _CscSpillReader(matrix, matrix.shape)
+    if hasattr(matrix, "shape") and len(matrix.shape) == 2:
+        return _DenseReader(matrix)
+    raise TypeError(f"cannot read counts from {type(matrix).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+@dataclass
+class _Part:
+    """One input (file or AnnData): its counts reader, obs and var."""
+
+    label: str
+    reader: _RowReader
+    obs: pd.DataFrame
+    var: pd.DataFrame
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def n_obs(self) -> int:
+        return len(self.obs)
+
+    def close(self) -> None:
+        self.reader.close()
+        for close in self.closers:
+            close()
+
+
+def _open_part(source: Any, layer: str | None, use_raw: bool) -> _Part:
+    if isinstance(source, ad.AnnData):
+        return _part_from_anndata(source, layer, use_raw)
+    if isinstance(source, str | os.PathLike):
+        return _part_from_path(Path(source), layer, use_raw)
+    raise TypeError(f"source must be an AnnData or a path to .h5ad / .zarr, not {type(source)}")
+
+
+def _part_from_anndata(adata: ad.AnnData, layer: str | None, use_raw: bool) -> _Part:
+    label = str(adata.filename) if adata.isbacked else "<AnnData>"
+    if use_raw:
+        if adata.raw is None:
+            raise ValueError("use_raw=True but the AnnData has no .raw")
+        matrix, var = adata.raw.X, adata.raw.var
+    elif layer is not None:
+        if layer not in adata.layers:
+            raise KeyError(f"layer {layer!r} not found (layers: {list(adata.layers)})")
+        matrix, var = adata.layers[layer], adata.var
+    else:
+        matrix, var = adata.X, adata.var
+    if matrix is None:
+        raise ValueError("the AnnData has no X")
+    return _Part(label, _reader_for(matrix), adata.obs, var)
+
+
+def _part_from_path(path: Path, layer: str | None, use_raw: bool) -> _Part:
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    if path.suffix == ".zarr" or path.is_dir():
+        import zarr
+
+        group: Any = zarr.open_group(str(path), mode="r")
+        closers: list = []
+    else:
+        import h5py
+
+        group = h5py.File(path, "r")
+        closers = [group.close]
+    try:
+        if use_raw:
+            if "raw" not in group:
+                raise ValueError(f"{path}: use_raw=True but the file has no raw")
+            elem, var = group["raw"]["X"], ad.io.read_elem(group["raw"]["var"])
+        elif layer is not None:
+            if "layers" not in group or layer not in group["layers"]:
+                raise KeyError(f"{path}: layer {layer!r} not found")
+            elem, var = group["layers"][layer], ad.io.read_elem(group["var"])
+        else:
+            elem, var = group["X"], ad.io.read_elem(group["var"])
+        obs = ad.io.read_elem(group["obs"])
+        encoding = dict(elem.attrs).get("encoding-type", "")
+        matrix = ad.io.sparse_dataset(elem) if "matrix" in str(encoding) else elem
+        return _Part(str(path), _reader_for(matrix), obs, var, closers)
+    except BaseException:
+        for close in closers:
+            close()
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Genes
+
+
+def _align_genes(parts: list[_Part], join: str) -> tuple[pd.Index, list[np.ndarray], pd.DataFrame]:
+    """Output gene names, each part's column map into them (-1: dropped) and the var table."""
+    for part in parts:
+        if not part.var.index.is_unique:
+            dup = part.var.index[part.var.index.duplicated()][0]
+            raise ValueError(f"{part.label}: var_names are not unique ({dup!r} repeats)")
+    names = parts[0].var.index
+    if join == "same":
+        for part in parts[1:]:
+            if len(part.var.index) != len(names) or not part.var.index.isin(names).all():
+                raise ValueError(
+                    f"{part.label}: its genes differ from {parts[0].label}'s; pass "
+                    "join='inner' or join='outer' to intersect or unite them"
+                )
+    elif join == "inner":
+        for part in parts[1:]:
+            names = names[names.isin(part.var.index)]
+    elif join == "outer":
+        for part in parts[1:]:
+            names = names.append(part.var.index[~part.var.index.isin(names)])
+    else:
+        raise ValueError(f"join must be one of {JOINS}, not {join!r}")
+    maps = [names.get_indexer(part.var.index).astype(np.int64) for part in parts]
+    var = pd.concat([p.var for p in parts]) if len(parts) > 1 else parts[0].var
+    var = var[~var.index.duplicated(keep="first")].reindex(names)
+    return names, maps, var
+
+
+def _resolve_gene_order(gene_order: Any, totals: np.ndarray) -> np.ndarray | None:
+    n = len(totals)
+    if isinstance(gene_order, str):
+        if gene_order == "total_counts":
+            return np.argsort(-totals, kind="stable").astype(np.int32)
+        if gene_order == "none":
+            return None
+        raise ValueError(
+            f"gene_order must be 'total_counts', 'none' or a permutation, not {gene_order!r}"
+        )
+    if gene_order is None:
+        return None
+    order = np.asarray(gene_order)
+    if (
+        order.shape != (n,)
+        or order.dtype.kind not in "iu"
+        or not np.array_equal(np.sort(order), np.arange(n))
+    ):
+        raise ValueError(f"gene_order must be a permutation of 0..{n - 1}")
+    return order.astype(np.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# obs
+
+
+def _infer_obs_schema(
+    obs: pd.DataFrame, max_categories: int
+) -> tuple[ObsSchema, dict[str, Callable[[np.ndarray], pa.Array]]]:
+    """The obs schema and, per column, a function making the Arrow array of some rows."""
+    columns: list[ObsColumn] = []
+    makers: dict[str, Callable[[np.ndarray], pa.Array]] = {}
+    if OBS_INDEX_COLUMN in obs.columns:
+        raise ValueError(f"obs has a column named {OBS_INDEX_COLUMN!r}, which holds obs_names")
+    index = pd.Series(obs.index.astype(str), dtype=object)
+    series_list = [(OBS_INDEX_COLUMN, index)] + [(str(c), obs[c]) for c in obs.columns]
+    for name, series in series_list:
+        column, maker = _obs_column(
+            name, series, max_categories, force_string=name == OBS_INDEX_COLUMN
+        )
+        columns.append(column)
+        makers[name] = maker
+    return ObsSchema(tuple(columns)), makers
+
+
+def _obs_column(name: str, series: pd.Series, max_categories: int, force_string: bool = False):
+    dtype = series.dtype
+    if isinstance(dtype, pd.CategoricalDtype) and not force_string:
+        cats = series.cat.categories
+        if len(cats) <= max_categories:
+            categories = [_json_scalar(c) for c in cats]
+            code_type = category_code_type(len(categories))
+            codes = series.cat.codes.to_numpy().astype(code_type)
+            return (
+                ObsColumn(name, "category", code_type, categories),
+                lambda rows: pa.array(codes[rows], type=pa.from_numpy_dtype(np.dtype(code_type))),
+            )
+        values = series.astype(object).to_numpy()
+        return ObsColumn(name, "string", "string"), _string_maker(values)
+    if pd.api.types.is_bool_dtype(dtype):
+        values = series.to_numpy(dtype=object) if series.hasnans else series.to_numpy()
+        return ObsColumn(name, "bool", "bool"), lambda rows: pa.array(
+            values[rows], type=pa.bool_(), from_pandas=True
+        )
+    if pd.api.types.is_numeric_dtype(dtype) and not pd.api.types.is_complex_dtype(dtype):
+        numpy_dtype = dtype.numpy_dtype if hasattr(dtype, "numpy_dtype") else np.dtype(dtype)
+        arrow_type = pa.from_numpy_dtype(numpy_dtype)
+        values = series.array
+        return ObsColumn(name, "numeric", str(arrow_type)), lambda rows: pa.array(
+            values[rows], type=arrow_type, from_pandas=True
+        )
+    if pd.api.types.is_object_dtype(dtype) or pd.api.types.is_string_dtype(dtype):
+        inferred = pd.api.types.infer_dtype(series, skipna=True)
+        if inferred not in ("string", "empty"):
+            raise ValueError(
+                f"obs column {name!r} holds {inferred} values, not strings; convert it or "
+                f"exclude it with obs_exclude=[{name!r}]"
+            )
+        values = series.astype(object).to_numpy()
+        if not force_string:
+            unique = pd.unique(series.dropna())
+            if len(unique) <= max_categories:
+                return _obs_column(name, series.astype("category"), max_categories)
+        return ObsColumn(name, "string", "string"), _string_maker(values)
+    raise ValueError(
+        f"obs column {name!r} has unsupported dtype {dtype}; deltacells stores categorical, "
+        f"numeric, boolean and string columns: convert it or pass obs_exclude=[{name!r}]"
+    )
+
+
+def _string_maker(values: np.ndarray) -> Callable[[np.ndarray], pa.Array]:
+    def make(rows: np.ndarray) -> pa.Array:
+        chunk = [None if _is_missing(v) else str(v) for v in values[rows]]
+        return pa.array(chunk, type=pa.string())
+
+    return make
+
+
+def _is_missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and np.isnan(value)) or value is pd.NA
+
+
+def _json_scalar(value: Any) -> Any:
+    return value.item() if isinstance(value, np.generic) else value
+
+
+# ---------------------------------------------------------------------------------------------
+# The writer
+
+
+@dataclass
+class _Plan:
+    """What pass 1 found and decided."""
+
+    n_cells: int
+    n_genes: int
+    col_maps: list[np.ndarray]
+    var_names: pd.Index
+    var: pd.DataFrame
+    gene_order: np.ndarray | None
+    cell_order: np.ndarray | None
+    offsets: np.ndarray
+
+
+def _remap_columns(block: sp.csr_matrix, col_map: np.ndarray, n_genes: int) -> sp.csr_matrix:
+    """Columns of ``block`` moved to their output positions (-1: dropped)."""
+    indices = col_map[block.indices]
+    keep = indices >= 0
+    indptr = block.indptr.astype(np.int64)
+    if not keep.all():
+        row_of = np.repeat(np.arange(block.shape[0]), np.diff(indptr))
+        indptr = np.zeros(block.shape[0] + 1, dtype=np.int64)
+        np.cumsum(np.bincount(row_of[keep], minlength=block.shape[0]), out=indptr[1:])
+    out = sp.csr_matrix((block.data[keep], indices[keep], indptr), shape=(block.shape[0], n_genes))
+    out.has_sorted_indices = False
+    return out
+
+
+def _iter_blocks(
+    parts: list[_Part], block_size: int
+) -> Iterator[tuple[int, int, int, sp.csr_matrix]]:
+    for p, part in enumerate(parts):
+        for start in range(0, part.n_obs, block_size):
+            stop = min(start + block_size, part.n_obs)
+            yield p, start, stop, part.reader.block(start, stop)
+
+
+def _check_and_total(
+    parts: list[_Part], col_maps, n_genes: int, block_size: int, progress
+) -> np.ndarray:
+    """Pass 1: every value checked, gene totals (in output gene space) added up."""
+    totals = np.zeros(n_genes, dtype=np.float64)
+    blocks = _iter_blocks(parts, block_size)
+    n_blocks = sum(-(-part.n_obs // block_size) for part in parts)
+    for p, start, _stop, block in progress(blocks, total=n_blocks, desc="checking counts"):
+        part = parts[p]
+        try:
+            _, indices, data, shape = canonical_csr(block)
+        except CountError as err:
+            cell = start + err.cell
+            raise CountError(
+                f"{part.label}: {err.problem} at cell {cell} ({part.obs.index[cell]!r}), "
+                f"gene {err.gene} ({part.var.index[err.gene]!r})",
+                cell,
+                err.gene,
+            ) from None
+        part_totals = np.bincount(indices, weights=data, minlength=shape[1])
+        mapped = col_maps[p]
+        keep = mapped >= 0
+        np.add.at(totals, mapped[keep], part_totals[keep])
+    return totals
+
+
+def _tile_rows(plan: _Plan, tile: int, tile_size: int) -> np.ndarray:
+    start, stop = tile * tile_size, min((tile + 1) * tile_size, plan.n_cells)
+    if plan.cell_order is None:
+        return np.arange(start, stop, dtype=np.int64)
+    return plan.cell_order[start:stop]
+
+
+def _tile_matrix(
+    parts: list[_Part], plan: _Plan, rows: np.ndarray, contiguous: bool
+) -> sp.csr_matrix:
+    """The counts of global rows ``rows`` in stored gene order."""
+    pieces, positions = [], []
+    part_of = np.searchsorted(plan.offsets, rows, side="right") - 1
+    for p in np.unique(part_of):
+        mine = np.flatnonzero(part_of == p)
+        local = rows[mine] - plan.offsets[p]
+        if contiguous:
+            block = parts[p].reader.block(int(local[0]), int(local[-1]) + 1)
+        else:
+            order = np.argsort(local, kind="stable")
+            block = parts[p].reader.rows(local[order])[np.argsort(order)]
+        pieces.append(_remap_columns(sp.csr_matrix(block), plan.col_maps[p], plan.n_genes))
+        positions.append(mine)
+    matrix = sp.vstack(pieces, format="csr") if len(pieces) > 1 else pieces[0]
+    if not contiguous and len(pieces) > 1:
+        matrix = matrix[np.argsort(np.concatenate(positions))]
+    return matrix
+
+
+def _encode_job(args: tuple) -> bytes:
+    matrix, n_chunks, level, n_threads = args
+    return encode_tile(matrix, n_chunks=n_chunks, level=level, n_threads=n_threads)
+
+
+def _progress_factory(progress: bool) -> Callable:
+    if not progress:
+        return lambda iterable, **_: iterable
+    from tqdm.auto import tqdm
+
+    return lambda iterable, **kwargs: tqdm(iterable, unit="tile", leave=False, **kwargs)
+
+
+def _prepare_target(store: Store, overwrite: bool) -> None:
+    existing = store.list()
+    if not existing:
+        store.make_root()
+        return
+    if not overwrite:
+        raise FileExistsError(f"{store.describe()} is not empty; pass overwrite=True to replace it")
+    looks_like_dataset = any(
+        n == MANIFEST_NAME or n.startswith(("tiles/", "obs/")) for n in existing
+    )
+    if not looks_like_dataset:
+        raise FileExistsError(
+            f"{store.describe()} holds files that are not a deltacells dataset; refusing to "
+            "delete them even with overwrite=True"
+        )
+    store.remove(MANIFEST_NAME)  # first: from here on it is an incomplete dataset
+    store.remove_all()
+    store.make_root()
+
+
+def write_deltacells(
+    source: Any,
+    path: str | os.PathLike,
+    *,
+    tile_size: int = DEFAULT_TILE_SIZE,
+    n_chunks: int = DEFAULT_N_CHUNKS,
+    zstd_level: int = DEFAULT_LEVEL,
+    gene_order: str | Sequence[int] | np.ndarray = "total_counts",
+    obs: bool = True,
+    var: bool = True,
+    layer: str | None = None,
+    use_raw: bool = False,
+    join: str = "same",
+    shuffle: bool = False,
+    seed: int = 0,
+    obs_exclude: Sequence[str] = (),
+    max_categories: int = 20_000,
+    obs_tiles_per_file: int = 1000,
+    n_threads: int | None = None,
+    n_workers: int = 1,
+    overwrite: bool = False,
+    progress: bool = True,
+    storage_options: dict | None = None,
+    metadata: dict | None = None,
+) -> Manifest:
+    """Write counts (and obs, var) as a deltacells dataset.
+
+    Parameters
+    ----------
+    source
+        An :class:`~anndata.AnnData` (in memory, with X as CSR, CSC or dense, or backed), a path
+        to a ``.h5ad`` file or ``.zarr`` store, or a list of these (an atlas: cells
+        concatenated in order, genes aligned by name). Files and backed data are read in row
+        blocks; X is never loaded whole.
+    path
+        Target directory or fsspec URL. It must be empty unless ``overwrite=True`` (which only
+        replaces an existing deltacells dataset).
+    tile_size
+        Cells per tile.
+    n_chunks
+        Independently decodable chunks per tile.
+    zstd_level
+        zstd level; the default balances size and speed (see the codec benchmark), 19 is the
+        smallest.
+    gene_order
+        ``"total_counts"`` (genes by decreasing total counts over all cells, ties in source
+        order; smallest files), ``"none"``, or a permutation (stored column ``j`` is source
+        column ``gene_order[j]``).
+    obs, var
+        Write the obs table / the var table and gene names.
+    layer, use_raw
+        Take counts from ``layers[layer]`` or from ``.raw`` instead of X.
+    join
+        For a list of inputs: ``"same"`` (identical gene sets, the default), ``"inner"``
+        (genes in all inputs) or ``"outer"`` (genes in any input, zeros where absent).
+    shuffle, seed
+        Write cells in a seeded random order (recorded in ``cell_order.npy``), so contiguous
+        reads are random samples for training.
+    obs_exclude
+        obs columns to leave out (e.g. datetimes, which the format does not store).
+    max_categories
+        Categorical or string obs columns with more distinct values are stored as strings.
+    obs_tiles_per_file
+        Tiles (row groups) per obs parquet shard.
+    n_threads
+        Threads compressing chunks of a tile; ``None`` resolves like scikit-learn.
+    n_workers
+        Processes encoding tiles in parallel (1: in this process).
+    overwrite
+        Replace an existing dataset at ``path``.
+    progress
+        Show tqdm progress bars.
+    storage_options
+        fsspec options for URL targets.
+    metadata
+        Extra JSON-serialisable entries for the manifest's ``metadata``.
+
+    Returns
+    -------
+    Manifest
+        The manifest written last.
+
+    Raises
+    ------
+    CountError
+        For a value that is not a count, naming the file, cell and gene.
+    ValueError
+        For unsupported obs columns, mismatched genes and bad arguments.
+    FileExistsError
+        If ``path`` is not empty and ``overwrite`` is false.
+
+    Notes
+    -----
+    The output is byte-identical for any ``n_threads`` and ``n_workers`` and for in-memory or
+    on-disk input of the same data.
+    """
+    if tile_size < 1 or n_chunks < 1 or obs_tiles_per_file < 1:
+        raise ValueError("tile_size, n_chunks and obs_tiles_per_file must be >= 1")
+    sources = list(source) if isinstance(source, list | tuple) else [source]
+    if not sources:
+        raise ValueError("no source given")
+    progress_bar = _progress_factory(progress)
+    parts: list[_Part] = []
+    try:
+        for item in sources:
+            parts.append(_open_part(item, layer, use_raw))
+        var_names, col_maps, var_table = _align_genes(parts, join)
+        n_genes = len(var_names)
+        if n_genes == 0:
+            raise ValueError("no genes to write (the inputs share none)")
+        if any("\n" in str(name) for name in var_names):
+            raise ValueError("a gene name contains a newline, which var_names.txt cannot hold")
+        obs_frame = _combined_obs(parts, obs_exclude, list_input=len(sources) > 1) if obs else None
+        obs_plan = _infer_obs_schema(obs_frame, max_categories) if obs else None
+        totals = _check_and_total(parts, col_maps, n_genes, tile_size, progress_bar)
+        order = _resolve_gene_order(gene_order, totals)
+        n_cells = sum(p.n_obs for p in parts)
+        cell_order = np.random.default_rng(seed).permutation(n_cells) if shuffle else None
+        stored_maps = col_maps
+        if order is not None:
+            inverse = np.empty(n_genes, dtype=np.int64)
+            inverse[order] = np.arange(n_genes)
+            stored_maps = [np.where(m >= 0, inverse[np.maximum(m, 0)], -1) for m in col_maps]
+        plan = _Plan(
+            n_cells=n_cells,
+            n_genes=n_genes,
+            col_maps=stored_maps,
+            var_names=var_names if order is None else var_names[order],
+            var=var_table if order is None else var_table.iloc[order],
+            gene_order=order,
+            cell_order=cell_order,
+            offsets=np.concatenate([[0], np.cumsum([p.n_obs for p in parts])]).astype(np.int64),
+        )
+
+        store = open_store(path, storage_options)
+        _prepare_target(store, overwrite)
+        tile_cells, tile_nnz, tile_bytes = _write_tiles(
+            store, parts, plan, tile_size, n_chunks, zstd_level, n_threads, n_workers, progress_bar
+        )
+        has_gene_order = order is not None
+        if has_gene_order:
+            buffer = io.BytesIO()
+            np.save(buffer, order.astype(np.int32), allow_pickle=False)
+            store.write_atomic(GENE_ORDER_NAME, buffer.getvalue())
+        if var:
+            names_text = "".join(f"{name}\n" for name in plan.var_names)
+            store.write_atomic(VAR_NAMES_NAME, names_text.encode("utf-8"))
+            store.write_atomic(VAR_TABLE_NAME, _var_parquet(plan.var))
+        if shuffle:
+            buffer = io.BytesIO()
+            np.save(buffer, cell_order.astype(np.int64), allow_pickle=False)
+            store.write_atomic(CELL_ORDER_NAME, buffer.getvalue())
+        obs_fields: dict[str, Any] = {}
+        if obs:
+            obs_fields = _write_obs(
+                store, obs_plan, plan, tile_size, tile_cells, obs_tiles_per_file
+            )
+        meta = {
+            "writer": f"deltacells {_package_version()}",
+            "obs_index_column": OBS_INDEX_COLUMN if obs else None,
+            "sources": [p.label for p in parts],
+            "layer": "raw" if use_raw else layer,
+            "join": join if len(parts) > 1 else None,
+            "shuffle": {"seed": seed, "cell_order": CELL_ORDER_NAME} if shuffle else None,
+        } | dict(metadata or {})
+        manifest = Manifest(
+            version=2,
+            n_cells=n_cells,
+            n_genes=n_genes,
+            tile_size=tile_size,
+            tile_cells=tile_cells,
+            tile_nnz=tile_nnz,
+            tile_bytes=tile_bytes,
+            n_chunks=n_chunks,
+            zstd_level=zstd_level,
+            has_gene_order=has_gene_order,
+            has_var_names=bool(var),
+            has_var_table=bool(var),
+            has_obs=bool(obs),
+            metadata=meta,
+            **obs_fields,
+        )
+        store.write_atomic(MANIFEST_NAME, manifest.to_json_text().encode("utf-8"))
+        return manifest
+    finally:
+        for part in parts:
+            part.close()
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deltacells")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "unknown"
+
+
+def _combined_obs(parts: list[_Part], exclude: Sequence[str], list_input: bool) -> pd.DataFrame:
+    frames = []
+    for part in parts:
+        frame = part.obs.drop(columns=[c for c in exclude if c in part.obs.columns])
+        if list_input:
+            frame = frame.assign(source_file=Path(part.label).name)
+        frames.append(frame)
+    combined = pd.concat(frames, join="outer") if len(frames) > 1 else frames[0]
+    if list_input:
+        combined["source_file"] = pd.Categorical(
+            combined["source_file"],
+            categories=list(dict.fromkeys(Path(p.label).name for p in parts)),
+        )
+    return combined
+
+
+def _write_tiles(store, parts, plan, tile_size, n_chunks, level, n_threads, n_workers, progress):
+    n_tiles = -(-plan.n_cells // tile_size)
+    tile_cells, tile_nnz, tile_bytes = [], [], []
+
+    def matrices():
+        for t in range(n_tiles):
+            rows = _tile_rows(plan, t, tile_size)
+            yield _tile_matrix(parts, plan, rows, contiguous=plan.cell_order is None)
+
+    def record(t: int, blob: bytes, cells: int) -> None:
+        store.write_atomic(tile_name(t), blob)
+        tile_cells.append(cells)
+        tile_nnz.append(int(np.frombuffer(blob, "<u8", 1, 24)[0]))
+        tile_bytes.append(len(blob))
+
+    bar = progress(range(n_tiles), total=n_tiles, desc="encoding tiles")
+    ticks = iter(bar)
+    if n_workers <= 1:
+        for t, matrix in enumerate(matrices()):
+            record(
+                t,
+                encode_tile(matrix, n_chunks=n_chunks, level=level, n_threads=n_threads),
+                matrix.shape[0],
+            )
+            next(ticks, None)
+        return tile_cells, tile_nnz, tile_bytes
+    import multiprocessing
+
+    # spawn, not fork: a forked child inherits OpenMP's thread pool state and can hang.
+    with ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pending = []
+        for t, matrix in enumerate(matrices()):
+            pending.append(
+                (t, matrix.shape[0], pool.submit(_encode_job, (matrix, n_chunks, level, n_threads)))
+            )
+            while len(pending) > 2 * n_workers or (pending and t == n_tiles - 1):
+                done_t, cells, future = pending.pop(0)
+                record(done_t, future.result(), cells)
+                next(ticks, None)
+    return tile_cells, tile_nnz, tile_bytes
+
+
+def _var_parquet(var: pd.DataFrame) -> bytes:
+    try:
+        table = pa.Table.from_pandas(var, preserve_index=True)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
+        raise ValueError(f"var cannot be stored as parquet: {err}") from None
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer, compression="zstd")
+    return buffer.getvalue()
+
+
+def _write_obs(store, obs_plan, plan, tile_size, tile_cells, tiles_per_file) -> dict:
+    schema, makers = obs_plan
+    arrow_schema = pa.schema(
+        [pa.field(c.name, pa.type_for_alias(c.arrow_type)) for c in schema.columns]
+    )
+    n_tiles = len(tile_cells)
+    shard_bytes, shard_sha = [], []
+    for s in range(-(-n_tiles // tiles_per_file)):
+        buffer = io.BytesIO()
+        with pq.ParquetWriter(
+            buffer, arrow_schema, compression="zstd", write_statistics=False
+        ) as writer:
+            for t in range(s * tiles_per_file, min((s + 1) * tiles_per_file, n_tiles)):
+                rows = _tile_rows(plan, t, tile_size)
+                arrays = [makers[c.name](rows) for c in schema.columns]
+                table = pa.Table.from_arrays(arrays, schema=arrow_schema)
+                writer.write_table(table, row_group_size=max(len(rows), 1))
+        data = buffer.getvalue()
+        store.write_atomic(obs_shard_name(s), data)
+        shard_bytes.append(len(data))
+        shard_sha.append(hashlib.sha256(data).hexdigest())
+    schema_text = schema.to_json_text()
+    store.write_atomic(OBS_SCHEMA_NAME, schema_text.encode("utf-8"))
+    return {
+        "obs_tiles_per_file": tiles_per_file,
+        "obs_shard_bytes": shard_bytes,
+        "obs_shard_sha256": shard_sha,
+        "obs_fingerprint": obs_fingerprint(schema_text, tile_cells, shard_sha),
+    }
