@@ -1,0 +1,374 @@
+"""write_deltacells: round trips, inputs of every kind, obs/var, atomicity, bad inputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+from conftest import DATA_DIR
+
+import deltacells as dc
+from deltacells import writer as writer_module
+from deltacells.manifest import obs_fingerprint
+
+
+def read_back(path, *, source_order: bool = True) -> sp.csr_matrix:
+    """All tiles decoded one by one (Tile, not the writer) and stacked, in source gene order."""
+    dataset = dc.open_dataset(path)
+    parts = [dataset.tile(i).decode(np.int32) for i in range(dataset.manifest.n_tiles)]
+    n_genes = dataset.manifest.n_genes
+    stored = sp.vstack(parts, format="csr") if parts else sp.csr_matrix((0, n_genes))
+    order = dataset.gene_order()
+    if source_order and order is not None:
+        stored = stored[:, np.argsort(order)]
+    return sp.csr_matrix(stored)
+
+
+def assert_same_matrix(actual, expected) -> None:
+    expected = sp.csr_matrix(expected)
+    assert actual.shape == expected.shape
+    assert (actual != expected.astype(np.int64)).nnz == 0
+
+
+def small_adata(n_cells: int = 300, n_genes: int = 120, seed: int = 0) -> ad.AnnData:
+    rng = np.random.default_rng(seed)
+    X = sp.random(n_cells, n_genes, density=0.1, format="csr", random_state=rng)
+    X.data = np.ceil(X.data * 30).astype(np.float32)
+    obs = pd.DataFrame(
+        {
+            "cell_type": pd.Categorical(rng.choice(["T", "B", None], n_cells)),
+            "batch": rng.choice(["b1", "b2"], n_cells).astype(object),
+            "n_counts": np.asarray(X.sum(axis=1)).ravel().astype(np.float64),
+            "score": np.where(rng.random(n_cells) < 0.1, np.nan, rng.random(n_cells)),
+            "is_doublet": rng.random(n_cells) < 0.05,
+            "age": pd.array(
+                np.where(rng.random(n_cells) < 0.1, None, rng.integers(0, 90, n_cells)),
+                dtype="Int64",
+            ),  # fmt: skip
+            "flag": pd.array(
+                np.where(rng.random(n_cells) < 0.1, None, rng.random(n_cells) < 0.5),
+                dtype="boolean",
+            ),  # fmt: skip
+            "barcode": [f"BC{i:06d}" for i in range(n_cells)],
+            "small_int": rng.integers(0, 5, n_cells).astype(np.int16),
+        },
+        index=[f"cell{i}" for i in range(n_cells)],
+    )
+    var = pd.DataFrame(
+        {
+            "gene_ids": [f"ENSG{i:08d}" for i in range(n_genes)],
+            "feature_types": pd.Categorical(["Gene Expression"] * n_genes),
+            "highly_variable": rng.random(n_genes) < 0.3,
+            "mean": rng.random(n_genes),
+            "n_cells": pd.array(rng.integers(0, 100, n_genes), dtype="Int32"),
+        },
+        index=pd.Index([f"G{i}" for i in range(n_genes)], name="gene_symbol"),
+    )
+    return ad.AnnData(X=X, obs=obs, var=var)
+
+
+def test_real_data_round_trip(real_counts, tmp_path):
+    path = DATA_DIR / "liao2020_balf.h5ad"
+    manifest = dc.write_deltacells(path, tmp_path / "liao", tile_size=4000, progress=False)
+    assert manifest.n_cells == 10_706 and manifest.n_tiles == 3 and manifest.tile_cells[-1] == 2706
+    assert_same_matrix(read_back(tmp_path / "liao"), real_counts["liao2020_balf"])
+    dataset = dc.open_dataset(tmp_path / "liao")
+    dataset.verify()
+    stored = read_back(tmp_path / "liao", source_order=False)
+    totals = np.asarray(stored.sum(axis=0)).ravel()
+    assert np.all(np.diff(totals) <= 0)  # genes by decreasing total counts
+    source = ad.read_h5ad(path)
+    np.testing.assert_array_equal(dataset.var_names(), source.var_names[dataset.gene_order()])
+
+
+@pytest.mark.parametrize("name", ["chung2017_smartseq2", "visium_multisample"])
+def test_other_real_files(real_counts, tmp_path, name):
+    dc.write_deltacells(DATA_DIR / f"{name}.h5ad", tmp_path / name, tile_size=1000, progress=False)
+    assert_same_matrix(read_back(tmp_path / name), real_counts[name])
+
+
+def test_obs_and_var_round_trip(tmp_path):
+    adata = small_adata()
+    adata.obs["barcode_cat"] = pd.Categorical(adata.obs["barcode"])
+    manifest = dc.write_deltacells(
+        adata,
+        tmp_path / "d",
+        tile_size=64,
+        obs_tiles_per_file=2,
+        max_categories=100,
+        progress=False,
+    )
+    dataset = dc.open_dataset(tmp_path / "d")
+    assert manifest.n_obs_shards == 3  # 5 tiles, 2 per shard
+    schema = dataset.obs_schema()
+    kinds = {c.name: c.kind for c in schema.columns}
+    assert kinds == {
+        "_index": "string", "cell_type": "category", "batch": "category", "n_counts": "numeric",
+        "score": "numeric", "is_doublet": "bool", "age": "numeric", "flag": "bool",
+        "barcode": "string", "small_int": "numeric", "barcode_cat": "string",
+    }  # fmt: skip
+    assert schema["cell_type"].arrow_type == "int8" and schema["small_int"].arrow_type == "int16"
+    obs = dataset.read_obs()
+    pd.testing.assert_index_equal(pd.Index(obs["_index"]), adata.obs_names, check_names=False)
+    expected = adata.obs
+    pd.testing.assert_series_equal(
+        obs["cell_type"].astype(object),
+        expected["cell_type"].astype(object).reset_index(drop=True),
+        check_names=False,
+    )
+    assert obs["cell_type"].isna().sum() == expected["cell_type"].isna().sum() > 0
+    assert list(obs["batch"].cat.categories) == ["b1", "b2"]
+    np.testing.assert_array_equal(obs["n_counts"], expected["n_counts"])
+    np.testing.assert_array_equal(obs["score"].isna(), expected["score"].isna())
+    np.testing.assert_array_equal(obs["is_doublet"], expected["is_doublet"])
+    assert obs["age"].isna().sum() == expected["age"].isna().sum() > 0
+    assert (obs["age"].dropna().astype(int).to_numpy() == expected["age"].dropna().to_numpy()).all()
+    assert obs["flag"].isna().sum() == expected["flag"].isna().sum() > 0
+    assert list(obs["barcode"]) == list(expected["barcode"])
+    # var: stored order, dtypes and index kept
+    var = dataset.var()
+    order = dataset.gene_order()
+    source_var = adata.var.iloc[order]
+    pd.testing.assert_frame_equal(var, source_var)
+
+
+def test_fingerprint_recomputed_from_files(tmp_path):
+    manifest = dc.write_deltacells(small_adata(), tmp_path / "d", tile_size=50, progress=False)
+    schema_text = (tmp_path / "d" / "obs" / "schema.json").read_text()
+    import hashlib
+
+    shards = [
+        hashlib.sha256((tmp_path / "d" / "obs" / f"obs_{s:04d}.parquet").read_bytes()).hexdigest()
+        for s in range(manifest.n_obs_shards)
+    ]
+    assert shards == manifest.obs_shard_sha256
+    assert obs_fingerprint(schema_text, manifest.tile_cells, shards) == manifest.obs_fingerprint
+    canonical = json.dumps(
+        {"schema": schema_text, "tile_cells": manifest.tile_cells, "shards": shards},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    assert hashlib.sha256(canonical.encode()).hexdigest()[:24] == manifest.obs_fingerprint
+
+
+def test_obs_parquet_layout(tmp_path):
+    import pyarrow.parquet as pq
+
+    manifest = dc.write_deltacells(small_adata(), tmp_path / "d", tile_size=70, progress=False)
+    meta = pq.ParquetFile(tmp_path / "d" / "obs" / "obs_0000.parquet").metadata
+    assert meta.num_row_groups == manifest.n_tiles
+    assert [meta.row_group(g).num_rows for g in range(meta.num_row_groups)] == manifest.tile_cells
+    column = meta.row_group(0).column(1)
+    assert column.compression == "ZSTD" and not column.is_stats_set
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name not in ("manifest.json", "var.parquet")
+    }
+
+
+def test_backed_h5ad_zarr_and_csc_inputs_give_identical_datasets(tmp_path):
+    adata = small_adata(n_cells=500)
+    adata.X = adata.X.astype(np.int32)
+    h5 = tmp_path / "in.h5ad"
+    adata.write_h5ad(h5, compression="gzip")
+    csc = adata.copy()
+    csc.X = sp.csc_matrix(csc.X)
+    csc.write_h5ad(tmp_path / "csc.h5ad")
+    adata.write_zarr(tmp_path / "in.zarr")
+    dense = adata.copy()
+    dense.X = dense.X.toarray()
+    dense.write_h5ad(tmp_path / "dense.h5ad")
+    kwargs = {"tile_size": 128, "progress": False}
+    dc.write_deltacells(adata, tmp_path / "mem", **kwargs)
+    expected = files_of(tmp_path / "mem")
+    inputs = {
+        "h5ad": h5,
+        "backed": ad.read_h5ad(h5, backed="r"),
+        "csc_h5ad": tmp_path / "csc.h5ad",
+        "csc_backed_small_blocks": tmp_path / "csc.h5ad",
+        "zarr": tmp_path / "in.zarr",
+        "dense_h5ad": tmp_path / "dense.h5ad",
+        "csc_memory": csc,
+    }
+    for name, source in inputs.items():
+        if name == "csc_backed_small_blocks":
+            # A tiny column-block budget: the CSC transpose runs in many blocks.
+            original = writer_module._CscSpillReader.__init__.__defaults__
+            writer_module._CscSpillReader.__init__.__defaults__ = (997,)
+            try:
+                dc.write_deltacells(source, tmp_path / name, **kwargs)
+            finally:
+                writer_module._CscSpillReader.__init__.__defaults__ = original
+        else:
+            dc.write_deltacells(source, tmp_path / name, **kwargs)
+        assert files_of(tmp_path / name) == expected, name
+        pd.testing.assert_frame_equal(
+            dc.open_dataset(tmp_path / name).var(), dc.open_dataset(tmp_path / "mem").var()
+        )
+
+
+def test_same_bytes_for_threads_and_workers(tmp_path):
+    adata = small_adata(n_cells=400)
+    dc.write_deltacells(adata, tmp_path / "a", tile_size=100, n_threads=1, progress=False)
+    dc.write_deltacells(adata, tmp_path / "b", tile_size=100, n_threads=2, progress=False)
+    dc.write_deltacells(adata, tmp_path / "c", tile_size=100, n_workers=2, progress=False)
+    assert files_of(tmp_path / "a") == files_of(tmp_path / "b") == files_of(tmp_path / "c")
+
+
+@pytest.mark.parametrize("join", ["same", "inner", "outer"])
+def test_list_of_files_matches_anndata_concat(tmp_path, join):
+    a = small_adata(n_cells=150, seed=1)
+    b = small_adata(n_cells=90, seed=2)
+    b.obs_names = [f"b{i}" for i in range(b.n_obs)]
+    b.obs = b.obs.drop(columns=["score"]).assign(extra=1.5)
+    if join == "same":
+        b = b[:, b.var_names[::-1]].copy()  # same genes, another order
+    else:
+        b = b[:, 20:].copy()
+        b.var_names = [*b.var_names[:-10], *[f"new{i}" for i in range(10)]]
+    a.X, b.X = a.X.astype(np.int32), b.X.astype(np.int32)
+    a.write_h5ad(tmp_path / "a.h5ad")
+    b.write_h5ad(tmp_path / "b.h5ad")
+    dc.write_deltacells([tmp_path / "a.h5ad", tmp_path / "b.h5ad"], tmp_path / "d",
+                        join=join, tile_size=64, progress=False)  # fmt: skip
+    expected = ad.concat([a, b], join="inner" if join == "same" else join)
+    dataset = dc.open_dataset(tmp_path / "d")
+    order = dataset.gene_order()
+    names = np.asarray(dataset.var_names())[np.argsort(order)]
+    actual = read_back(tmp_path / "d")
+    expected_x = sp.csr_matrix(expected[:, names].X)
+    assert_same_matrix(actual, expected_x)
+    obs = dataset.read_obs()
+    assert list(obs["source_file"]) == ["a.h5ad"] * 150 + ["b.h5ad"] * 90
+    assert obs["score"].isna().sum() >= 90 and obs["extra"].isna().sum() == 150
+
+
+def test_same_join_refuses_different_genes(tmp_path):
+    a, b = small_adata(seed=1), small_adata(seed=2)[:, 5:].copy()
+    with pytest.raises(ValueError, match="genes differ"):
+        dc.write_deltacells([a, b], tmp_path / "d", progress=False)
+
+
+def test_shuffle_records_the_permutation(tmp_path):
+    adata = small_adata(n_cells=250)
+    manifest = dc.write_deltacells(adata, tmp_path / "s", shuffle=True, seed=7, tile_size=64,
+                                   progress=False)  # fmt: skip
+    order = np.load(tmp_path / "s" / "cell_order.npy")
+    assert sorted(order) == list(range(250)) and not np.array_equal(order, np.arange(250))
+    assert manifest.metadata["shuffle"]["seed"] == 7
+    assert_same_matrix(read_back(tmp_path / "s"), adata.X[order])
+    obs = dc.open_dataset(tmp_path / "s").read_obs()
+    assert list(obs["_index"]) == list(adata.obs_names[order])
+    dc.write_deltacells(adata, tmp_path / "s2", shuffle=True, seed=7, tile_size=64, progress=False)
+    assert files_of(tmp_path / "s") == files_of(tmp_path / "s2")
+
+
+def test_gene_order_options(tmp_path):
+    adata = small_adata()
+    dc.write_deltacells(adata, tmp_path / "none", gene_order="none", progress=False)
+    assert dc.open_dataset(tmp_path / "none").gene_order() is None
+    assert_same_matrix(read_back(tmp_path / "none"), adata.X)
+    perm = np.random.default_rng(3).permutation(adata.n_vars)
+    dc.write_deltacells(adata, tmp_path / "perm", gene_order=perm, progress=False)
+    np.testing.assert_array_equal(dc.open_dataset(tmp_path / "perm").gene_order(), perm)
+    assert_same_matrix(read_back(tmp_path / "perm"), adata.X)
+    with pytest.raises(ValueError, match="permutation"):
+        dc.write_deltacells(adata, tmp_path / "bad", gene_order=[0, 0, 1], progress=False)
+
+
+def test_layer_and_raw(tmp_path):
+    adata = small_adata()
+    adata.layers["counts"] = adata.X.copy()
+    adata.layers["counts"].data += 1
+    adata.raw = adata.copy()
+    adata.X = adata.X * 0.5  # normalised values in X: not counts
+    with pytest.raises(dc.CountError, match="non-integral count at cell"):
+        dc.write_deltacells(adata, tmp_path / "x", progress=False)
+    dc.write_deltacells(adata, tmp_path / "layer", layer="counts", progress=False)
+    assert_same_matrix(read_back(tmp_path / "layer"), adata.layers["counts"])
+    dc.write_deltacells(adata, tmp_path / "raw", use_raw=True, progress=False)
+    assert_same_matrix(read_back(tmp_path / "raw"), adata.raw.X)
+
+
+def test_bad_values_name_file_cell_and_gene(tmp_path):
+    adata = small_adata()
+    X = adata.X.tolil()
+    X[17, 3] = -2
+    adata.X = X.tocsr()
+    adata.write_h5ad(tmp_path / "bad.h5ad")
+    with pytest.raises(dc.CountError, match=r"bad\.h5ad: negative count at cell 17 \('cell17'\), "
+                                            r"gene 3 \('G3'\)"):  # fmt: skip
+        dc.write_deltacells(tmp_path / "bad.h5ad", tmp_path / "out", tile_size=10, progress=False)
+    assert not (tmp_path / "out").exists()  # nothing written before every value was checked
+
+
+def test_unsupported_obs_columns(tmp_path):
+    adata = small_adata()
+    adata.obs["when"] = pd.Timestamp("2020-01-01")
+    with pytest.raises(ValueError, match="'when' has unsupported dtype.*obs_exclude"):
+        dc.write_deltacells(adata, tmp_path / "d", progress=False)
+    adata.obs["mixed"] = [1, "a"] * (adata.n_obs // 2)
+    dc.write_deltacells(adata, tmp_path / "d", obs_exclude=["when", "mixed"], progress=False)
+    assert "when" not in dc.open_dataset(tmp_path / "d").obs_schema().names
+
+
+def test_overwrite_rules(tmp_path):
+    adata = small_adata()
+    dc.write_deltacells(adata, tmp_path / "d", progress=False)
+    with pytest.raises(FileExistsError, match="not empty"):
+        dc.write_deltacells(adata, tmp_path / "d", progress=False)
+    dc.write_deltacells(adata[:100], tmp_path / "d", overwrite=True, progress=False)
+    assert dc.open_dataset(tmp_path / "d").manifest.n_cells == 100
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="not a deltacells dataset"):
+        dc.write_deltacells(adata, tmp_path / "other", overwrite=True, progress=False)
+    assert (tmp_path / "other" / "notes.txt").exists()
+
+
+def test_interrupted_write_leaves_no_manifest(tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real_encode = writer_module.encode_tile
+
+    def failing_encode(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("disk on fire")
+        return real_encode(*args, **kwargs)
+
+    monkeypatch.setattr(writer_module, "encode_tile", failing_encode)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        dc.write_deltacells(small_adata(), tmp_path / "d", tile_size=50, progress=False)
+    assert (tmp_path / "d" / "tiles" / "tile_000001.dct").exists()
+    assert not (tmp_path / "d" / "manifest.json").exists()
+    assert not list((tmp_path / "d").rglob("*.tmp"))
+    with pytest.raises(dc.FormatError, match="incomplete dataset"):
+        dc.open_dataset(tmp_path / "d")
+
+
+def test_fsspec_target(tmp_path):
+    adata = small_adata()
+    dc.write_deltacells(adata, "memory://writer-test/d", tile_size=100, progress=False)
+    dataset = dc.open_dataset("memory://writer-test/d")
+    dataset.verify()
+    assert_same_matrix(read_back("memory://writer-test/d"), adata.X)
+    dc.write_deltacells(adata, tmp_path / "local", tile_size=100, progress=False)
+    local = files_of(tmp_path / "local")
+    remote = {name: dataset.store.read_bytes(name) for name in local}
+    assert remote == local
+
+
+def test_zero_cells(tmp_path):
+    adata = small_adata()[:0].copy()
+    manifest = dc.write_deltacells(adata, tmp_path / "d", progress=False)
+    assert manifest.n_cells == 0 and manifest.n_tiles == 0
+    dc.open_dataset(tmp_path / "d").verify()
