@@ -60,11 +60,10 @@ def test_errors_exit_1_with_a_message(tmp_path, capsys):
 
 
 def test_console_script_runs(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "deltacells.cli", "convert", str(DATA_DIR / "visium_multisample.h5ad"),
-         str(tmp_path / "d"), "--shuffle", "--seed", "3", "--quiet"],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+    source = str(DATA_DIR / "visium_multisample.h5ad")
+    command = [sys.executable, "-m", "deltacells.cli", "convert", source, str(tmp_path / "d"),
+               "--shuffle", "--seed", "3", "--quiet"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     order = np.load(tmp_path / "d" / "cell_order.npy")
     assert len(order) == 2327

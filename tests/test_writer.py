@@ -49,11 +49,11 @@ def small_adata(n_cells: int = 300, n_genes: int = 120, seed: int = 0) -> ad.Ann
             "age": pd.array(
                 np.where(rng.random(n_cells) < 0.1, None, rng.integers(0, 90, n_cells)),
                 dtype="Int64",
-            ),  # fmt: skip
+            ),
             "flag": pd.array(
                 np.where(rng.random(n_cells) < 0.1, None, rng.random(n_cells) < 0.5),
                 dtype="boolean",
-            ),  # fmt: skip
+            ),
             "barcode": [f"BC{i:06d}" for i in range(n_cells)],
             "small_int": rng.integers(0, 5, n_cells).astype(np.int16),
         },
@@ -314,7 +314,7 @@ def test_bad_values_name_file_cell_and_gene(tmp_path):
 def test_unsupported_obs_columns(tmp_path):
     adata = small_adata()
     adata.obs["when"] = pd.Timestamp("2020-01-01")
-    with pytest.raises(ValueError, match="'when' has unsupported dtype.*obs_exclude"):
+    with pytest.raises(ValueError, match=r"'when' has unsupported dtype.*obs_exclude"):
         dc.write_deltacells(adata, tmp_path / "d", progress=False)
     adata.obs["mixed"] = [1, "a"] * (adata.n_obs // 2)
     dc.write_deltacells(adata, tmp_path / "d", obs_exclude=["when", "mixed"], progress=False)
