@@ -572,7 +572,7 @@ def write_deltacells(
     progress: bool = True,
     storage_options: dict | None = None,
     metadata: dict | None = None,
-    cache_bytes: int = 2**30,
+    cache_bytes: int = 2**28,
 ) -> Manifest:
     """Write counts (and obs, var) as a deltacells dataset.
 
