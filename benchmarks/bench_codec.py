@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -23,6 +21,7 @@ import h5py
 import numpy as np
 import scipy.sparse as sp
 import zstandard
+from _common import machine
 
 import deltacells as dc
 from deltacells import _kernels
@@ -39,28 +38,6 @@ def median_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def machine() -> dict:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "usable_cpus": len(os.sched_getaffinity(0)),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "libzstd": _kernels.zstd_version(),
-        "openmp": _kernels.openmp_enabled(),
-        "deltacells": dc.__version__,
-        "anndata": ad.__version__ if hasattr(ad, "__version__") else "",
-        "zstandard": zstandard.__version__,
-    }
 
 
 def anndata_x_sizes(matrix: sp.csr_matrix, workdir: Path) -> dict:

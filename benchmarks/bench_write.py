@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -23,6 +21,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _common import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
@@ -118,39 +118,27 @@ def measure(job: str, src: Path, workdir: Path, level: int, repeats: int) -> dic
     }
 
 
-def machine() -> dict:
-    cpu = ""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    return {"cpu": cpu, "usable_cpus": len(os.sched_getaffinity(0)),
-            "python": platform.python_version(), "platform": platform.platform()}  # fmt: skip
-
-
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for size, rows in results["conversions"].items():
-        names = [r["job"] for r in rows]
-        axes[0].scatter(
-            [size] * len(rows), [r["write_s_median"] or r["wall_s_median"] for r in rows]
-        )
-        for r, name in zip(rows, names, strict=True):
-            axes[0].annotate(name, (size, r["write_s_median"] or r["wall_s_median"]), fontsize=7)
-        axes[1].scatter([size] * len(rows), [r["peak_rss_mb"] for r in rows])
-    axes[0].set_xscale("log")
-    axes[0].set_yscale("log")
-    axes[0].set_xlabel("cells")
-    axes[0].set_ylabel("seconds (write)")
-    axes[1].set_xscale("log")
-    axes[1].set_xlabel("cells")
-    axes[1].set_ylabel("peak RSS (MB)")
-    fig.suptitle("Conversion: deltacells vs anndata writers", fontsize=9)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    sizes = sorted(results["conversions"], key=int)
+    jobs = [r["job"] for r in results["conversions"][sizes[0]]]
+    for job in jobs:
+        rows = [next(r for r in results["conversions"][n] if r["job"] == job) for n in sizes]
+        x = [int(n) for n in sizes]
+        axes[0].plot(x, [r["write_s_median"] for r in rows], "o-", label=job)
+        axes[1].plot(x, [r["peak_rss_mb"] for r in rows], "o-", label=job)
+    for ax, label in ((axes[0], "seconds to write (median)"), (axes[1], "peak RSS (MB)")):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("cells")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Conversion on {results['machine']['cpu']} ({results['command']})", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -166,7 +154,11 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "write.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "_static" / "bench_write.png")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from --json")
     args = parser.parse_args()
+    if args.plot_only:
+        plot(json.loads(args.json.read_text()), args.plot)
+        return
     from deltacells.codec import DEFAULT_LEVEL
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dc-bench-write-"))

@@ -1,9 +1,9 @@
-"""The main job on real data: encode a count matrix into tiles, read it back, slice it.
+"""The main job on real data: convert an .h5ad to a deltacells dataset, read it back, slice it.
 
-    python tools/demo.py [H5AD] [--tile-size 10000] [--level N]
+    python tools/demo.py [H5AD] [--tile-size N] [--level N] [--keep DIR]
 
-Prints sizes (next to the .h5ad file) and encode/decode/gather speeds, and checks that every
-decoded cell equals the source. Tiles are written to a temporary folder and removed afterwards.
+Prints sizes (next to the .h5ad file) and conversion, decode and gather speeds, and checks that
+every decoded cell equals the source. The dataset goes to a temporary folder unless ``--keep``.
 """
 
 from __future__ import annotations
@@ -24,82 +24,77 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
 
 
+def gather_cells(dataset: dc.Dataset, cells: np.ndarray) -> sp.csr_matrix:
+    """Cells (global indices, any order) from the tiles they live in, in stored gene order."""
+    limits = dataset.manifest.limits
+    which = np.searchsorted(limits, cells, side="right")
+    pieces, positions = [], []
+    for t in np.unique(which):
+        mine = np.flatnonzero(which == t)
+        local = cells[mine] - (limits[t - 1] if t else 0)
+        pieces.append(dataset.tile(int(t)).gather(local))
+        positions.append(mine)
+    stacked = sp.vstack(pieces, format="csr")
+    return stacked[np.argsort(np.concatenate(positions))]
+
+
+def run(h5ad: Path, out: Path, tile_size: int, level: int) -> None:
+    source = ad.read_h5ad(h5ad)
+    X = sp.csr_matrix(source.X)
+    print(f"{h5ad.name}: {X.shape[0]:,} cells x {X.shape[1]:,} genes, {X.nnz:,} nonzeros")
+    print(f"deltacells {dc.__version__}, libzstd {_kernels.zstd_version()}, "
+          f"OpenMP {'on' if _kernels.openmp_enabled() else 'off'}")  # fmt: skip
+
+    t0 = time.perf_counter()
+    manifest = dc.write_deltacells(h5ad, out, tile_size=tile_size, zstd_level=level,
+                                   overwrite=True, progress=False)  # fmt: skip
+    convert_s = time.perf_counter() - t0
+    tiles = sum(manifest.tile_bytes)
+    print(f"converted in {convert_s:.2f} s: {manifest.n_tiles} tiles, {tiles / 1e6:.1f} MB of "
+          f"tiles = {tiles / manifest.nnz:.3f} bytes/nonzero ({tiles / h5ad.stat().st_size:.2f} x "
+          f"the .h5ad file)")  # fmt: skip
+
+    t0 = time.perf_counter()
+    dataset = dc.open_dataset(out)
+    decoded = sp.vstack(
+        [dataset.tile(i).decode(np.float32) for i in range(manifest.n_tiles)], format="csr"
+    )
+    decode_s = time.perf_counter() - t0
+    back = decoded[:, np.argsort(dataset.gene_order())]
+    assert (back != X).nnz == 0, "decoded matrix differs from the source"
+    print(f"opened, CRC-checked and decoded every tile in {decode_s * 1e3:.0f} ms "
+          f"({manifest.nnz / decode_s / 1e6:.0f} M nonzeros/s); equal to the .h5ad X: yes")  # fmt: skip
+
+    rng = np.random.default_rng(0)
+    cells = rng.choice(X.shape[0], 4096, replace=False)
+    t0 = time.perf_counter()
+    some = gather_cells(dataset, cells)
+    gather_s = time.perf_counter() - t0
+    assert (some[:, np.argsort(dataset.gene_order())] != X[cells]).nnz == 0
+    print(f"gathered 4,096 random cells in {gather_s * 1e3:.1f} ms ({4096 / gather_s:,.0f} "
+          f"cells/s); equal to the source: yes")  # fmt: skip
+
+    obs = dataset.read_obs()
+    assert list(obs["_index"]) == list(source.obs_names)
+    assert (obs["sample"].astype(str).to_numpy() == source.obs["sample"].astype(str).to_numpy()).all()
+    assert list(dataset.var_names()) == list(source.var_names[dataset.gene_order()])
+    print(f"obs ({', '.join(dataset.obs_schema().names)}) and var restored: yes")
+    dataset.verify()
+    print(f"deltacells verify {out}: OK")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("h5ad", nargs="?", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--tile-size", type=int, default=10_000)
+    parser.add_argument("--tile-size", type=int, default=4096)
     parser.add_argument("--level", type=int, default=dc.DEFAULT_LEVEL)
+    parser.add_argument("--keep", type=Path, help="write the dataset here and keep it")
     args = parser.parse_args()
-
-    t0 = time.perf_counter()
-    matrix = sp.csr_matrix(ad.read_h5ad(args.h5ad).X)
-    load_s = time.perf_counter() - t0
-    n_cells, n_genes = matrix.shape
-    print(
-        f"{args.h5ad.name}: {n_cells:,} cells x {n_genes:,} genes, {matrix.nnz:,} nonzeros "
-        f"(read in {load_s:.2f} s)"
-    )
-    print(
-        f"deltacells {dc.__version__}, libzstd {_kernels.zstd_version()}, "
-        f"OpenMP {'on' if _kernels.openmp_enabled() else 'off'}"
-    )
-
-    # Genes by decreasing total counts make the gaps small (what the converter will do).
-    totals = np.asarray(matrix.sum(axis=0)).ravel()
-    gene_order = np.argsort(-totals, kind="stable")
-    stored = sp.csr_matrix(matrix[:, gene_order])
-    stored.sort_indices()
-
+    if args.keep:
+        run(args.h5ad, args.keep, args.tile_size, args.level)
+        return
     with tempfile.TemporaryDirectory(prefix="deltacells-demo-") as tmp:
-        t0 = time.perf_counter()
-        paths = []
-        for i, start in enumerate(range(0, n_cells, args.tile_size)):
-            path = Path(tmp) / f"tile_{i:06d}.dct"
-            path.write_bytes(
-                dc.encode_tile(stored[start : start + args.tile_size], level=args.level)
-            )
-            paths.append(path)
-        encode_s = time.perf_counter() - t0
-        size = sum(p.stat().st_size for p in paths)
-        h5ad_size = args.h5ad.stat().st_size
-        print(
-            f"encoded {len(paths)} tiles at zstd level {args.level} in {encode_s:.2f} s: "
-            f"{size / 1e6:.1f} MB, {size / matrix.nnz:.3f} bytes/nonzero "
-            f"({size / h5ad_size:.2f} x the whole .h5ad file of {h5ad_size / 1e6:.1f} MB)"
-        )
-
-        t0 = time.perf_counter()
-        tiles = [dc.Tile(p.read_bytes(), name=p.name) for p in paths]
-        decoded = sp.vstack([t.decode(np.float32) for t in tiles], format="csr")
-        decode_s = time.perf_counter() - t0
-        assert (decoded != stored).nnz == 0, "decoded matrix differs from the source"
-        print(
-            f"read + CRC + decoded everything in {decode_s * 1e3:.0f} ms "
-            f"({matrix.nnz / decode_s / 1e6:.0f} M nonzeros/s); equal to the source: yes"
-        )
-
-        rng = np.random.default_rng(0)
-        cells = rng.choice(n_cells, 4096, replace=False)
-        t0 = time.perf_counter()
-        limits = np.cumsum([t.shape[0] for t in tiles])
-        which = np.searchsorted(limits, cells, side="right")
-        parts = []
-        for k, tile in enumerate(tiles):
-            mine = np.flatnonzero(which == k)
-            local = cells[mine] - (limits[k - 1] if k else 0)
-            parts.append((mine, tile.gather(local)))
-        gathered = sp.vstack([p for _, p in parts], format="csr")[
-            np.argsort(np.concatenate([m for m, _ in parts]))
-        ]
-        gather_s = time.perf_counter() - t0
-        assert (gathered != stored[cells]).nnz == 0, "gathered cells differ from the source"
-        print(
-            f"gathered 4,096 random cells in {gather_s * 1e3:.1f} ms "
-            f"({4096 / gather_s:,.0f} cells/s); equal to the source: yes"
-        )
-        back = gathered[:, np.argsort(gene_order)]
-        assert (back != matrix[cells]).nnz == 0
-        print("restored the source gene order for the slice: equal to the .h5ad X: yes")
+        run(args.h5ad, Path(tmp) / "dataset", args.tile_size, args.level)
 
 
 if __name__ == "__main__":
