@@ -50,3 +50,10 @@ def encode_chunks(
     n_threads: int,
     where: object = ...,
 ) -> tuple[list[list[bytes]], NDArray[np.int64]]: ...
+def remap_columns(
+    indptr: NDArray[np.int64],
+    indices: NDArray[np.int32],
+    data: NDArray[np.int32],
+    col_map: NDArray[np.int64],
+    n_out_cols: int,
+) -> tuple[NDArray[np.int64], NDArray[np.int32], NDArray[np.int32]]: ...

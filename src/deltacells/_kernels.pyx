@@ -928,3 +928,75 @@ def encode_chunks(const int64_t[::1] indptr, const int32_t[::1] indices,
         for c in range(4 * n_chunks):
             free(<void*>out_ptr_v[c])
     return frames, exc
+
+
+# ---------------------------------------------------------------------------------------------
+# Column permutation (writer)
+
+
+def remap_columns(const int64_t[::1] indptr, const int32_t[::1] indices,
+                  const int32_t[::1] data, const int64_t[::1] col_map, int64_t n_out_cols):
+    """Move the columns of a canonical CSR block to ``col_map[j]`` (``-1``: drop the column).
+
+    Rows come out with sorted indices: entries are bucketed by output column (a counting sort,
+    rows visited in order) and then dealt back to their rows column by column, two linear
+    passes instead of a comparison sort per row.
+
+    Returns
+    -------
+    tuple
+        ``(indptr, indices, data)`` as ``int64``, ``int32``, ``int32`` arrays.
+    """
+    cdef Py_ssize_t n_rows = indptr.shape[0] - 1
+    cdef int64_t nnz = indptr[n_rows] if n_rows >= 0 else 0
+    cdef int64_t r, i, c, p, kept = 0
+    if col_map.shape[0] < 1 and nnz:
+        raise ValueError("col_map is empty")
+    col_start = np.zeros(n_out_cols + 1, dtype=np.int64)
+    out_indptr = np.zeros(n_rows + 1, dtype=np.int64)
+    cdef int64_t[::1] col_start_v = col_start
+    cdef int64_t[::1] out_indptr_v = out_indptr
+    for i in range(nnz):
+        if indices[i] < 0 or indices[i] >= col_map.shape[0]:
+            raise ValueError(f"column index {indices[i]} outside col_map")
+    with nogil:
+        for r in range(n_rows):
+            for i in range(indptr[r], indptr[r + 1]):
+                c = col_map[indices[i]]
+                if c >= 0:
+                    col_start_v[c + 1] += 1
+                    out_indptr_v[r + 1] += 1
+        for c in range(n_out_cols):
+            col_start_v[c + 1] += col_start_v[c]
+        for r in range(n_rows):
+            out_indptr_v[r + 1] += out_indptr_v[r]
+        kept = out_indptr_v[n_rows]
+    bucket_row = np.empty(kept, dtype=np.int32)
+    bucket_val = np.empty(kept, dtype=np.int32)
+    out_indices = np.empty(kept, dtype=np.int32)
+    out_data = np.empty(kept, dtype=np.int32)
+    fill = col_start[:-1].copy()
+    row_fill = out_indptr[:-1].copy()
+    cdef int32_t[::1] bucket_row_v = bucket_row
+    cdef int32_t[::1] bucket_val_v = bucket_val
+    cdef int32_t[::1] out_indices_v = out_indices
+    cdef int32_t[::1] out_data_v = out_data
+    cdef int64_t[::1] fill_v = fill
+    cdef int64_t[::1] row_fill_v = row_fill
+    with nogil:
+        for r in range(n_rows):
+            for i in range(indptr[r], indptr[r + 1]):
+                c = col_map[indices[i]]
+                if c >= 0:
+                    p = fill_v[c]
+                    bucket_row_v[p] = <int32_t>r
+                    bucket_val_v[p] = data[i]
+                    fill_v[c] = p + 1
+        for c in range(n_out_cols):
+            for p in range(col_start_v[c], col_start_v[c + 1]):
+                r = bucket_row_v[p]
+                i = row_fill_v[r]
+                out_indices_v[i] = <int32_t>c
+                out_data_v[i] = bucket_val_v[p]
+                row_fill_v[r] = i + 1
+    return out_indptr, out_indices, out_data

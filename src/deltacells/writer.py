@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import scipy.sparse as sp
 
+from deltacells import _kernels
 from deltacells.codec import DEFAULT_LEVEL, DEFAULT_N_CHUNKS, CountError, canonical_csr, encode_tile
 from deltacells.manifest import (
     GENE_ORDER_NAME,
@@ -424,17 +425,16 @@ class _Plan:
 
 
 def _remap_columns(block: sp.csr_matrix, col_map: np.ndarray, n_genes: int) -> sp.csr_matrix:
-    """Columns of ``block`` moved to their output positions (-1: dropped)."""
-    indices = col_map[block.indices]
-    keep = indices >= 0
-    indptr = block.indptr.astype(np.int64)
-    if not keep.all():
-        row_of = np.repeat(np.arange(block.shape[0]), np.diff(indptr))
-        indptr = np.zeros(block.shape[0] + 1, dtype=np.int64)
-        np.cumsum(np.bincount(row_of[keep], minlength=block.shape[0]), out=indptr[1:])
-    out = sp.csr_matrix((block.data[keep], indices[keep], indptr), shape=(block.shape[0], n_genes))
-    # Two linear counting passes sort the moved columns faster than sorting each row.
-    return out.tocsc().tocsr()
+    """Columns of ``block`` moved to their output positions (-1: dropped), rows sorted.
+
+    The block is checked and made canonical first (duplicates summed, zeros dropped), so the
+    kernel only permutes.
+    """
+    indptr, indices, data, shape = canonical_csr(block)
+    out = _kernels.remap_columns(indptr, indices, data, col_map, n_genes)
+    matrix = sp.csr_matrix((out[2], out[1], out[0]), shape=(shape[0], n_genes), copy=False)
+    matrix.has_canonical_format = True
+    return matrix
 
 
 def _iter_blocks(
