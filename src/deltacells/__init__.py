@@ -1,11 +1,12 @@
 """deltacells: the AnnData IO backend for the deltacells single-cell count-matrix format.
 
 Tiles: :func:`encode_tile`, :func:`decode_tile`, :class:`Tile`. Datasets:
-:func:`write_deltacells`, :func:`open_dataset`.
+:func:`write_deltacells`, :func:`open_dataset`, :func:`read_deltacells` (a lazy AnnData).
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
+from deltacells.backed import DeltacellsCSRDataset, read_deltacells
 from deltacells.codec import DEFAULT_LEVEL, CountError, Tile, decode_tile, encode_tile
 from deltacells.dataset import Dataset, open_dataset
 from deltacells.format import FormatError
@@ -20,11 +21,13 @@ __all__ = [
     "DEFAULT_LEVEL",
     "CountError",
     "Dataset",
+    "DeltacellsCSRDataset",
     "FormatError",
     "Tile",
     "__version__",
     "decode_tile",
     "encode_tile",
     "open_dataset",
+    "read_deltacells",
     "write_deltacells",
 ]

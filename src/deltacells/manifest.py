@@ -38,6 +38,8 @@ GENE_ORDER_NAME = "gene_order.npy"
 VAR_NAMES_NAME = "var_names.txt"
 VAR_TABLE_NAME = "var.parquet"
 OBS_SCHEMA_NAME = "obs/schema.json"
+#: The obs column that holds obs_names (recorded in the manifest's metadata too).
+OBS_INDEX_COLUMN = "_index"
 CATEGORY_CODE_TYPES = ("int8", "int16", "int32")
 NUMERIC_ARROW_TYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                        "halffloat", "float", "double")  # fmt: skip

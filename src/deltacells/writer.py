@@ -29,6 +29,7 @@ from deltacells.codec import DEFAULT_LEVEL, DEFAULT_N_CHUNKS, CountError, canoni
 from deltacells.manifest import (
     GENE_ORDER_NAME,
     MANIFEST_NAME,
+    OBS_INDEX_COLUMN,
     OBS_SCHEMA_NAME,
     VAR_NAMES_NAME,
     VAR_TABLE_NAME,
@@ -47,8 +48,6 @@ __all__ = ["DEFAULT_TILE_SIZE", "OBS_INDEX_COLUMN", "write_deltacells"]
 #: Cells per tile by default: about 3 MB per tile on typical 10x data, a good object size for
 #: one GET, and small enough that shuffling buffers of several tiles stay modest.
 DEFAULT_TILE_SIZE = 4096
-#: The obs column that holds obs_names.
-OBS_INDEX_COLUMN = "_index"
 CELL_ORDER_NAME = "cell_order.npy"
 JOINS = ("same", "inner", "outer")
 

@@ -1,0 +1,311 @@
+"""``read_deltacells``: a dataset as an AnnData whose X decodes only the tiles a slice touches."""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+from anndata.abc import CSRDataset
+from numpy.typing import DTypeLike
+
+from deltacells import _kernels
+from deltacells.codec import Tile, _value_dtype, empty_output
+from deltacells.dataset import Dataset, open_dataset
+from deltacells.manifest import OBS_INDEX_COLUMN
+
+__all__ = ["DeltacellsCSRDataset", "read_deltacells"]
+
+COLUMN_ORDERS = ("source", "stored")
+
+
+def _normalize_rows(index: Any, n: int) -> tuple[np.ndarray, bool]:
+    """Row index (int, slice, bool mask, integer array-like) as int64 positions.
+
+    Returns the positions and whether the index was a scalar (then the result has one row that
+    scipy-style indexing collapses).
+    """
+    if isinstance(index, slice):
+        return np.arange(n, dtype=np.int64)[index], False
+    if isinstance(index, int | np.integer):
+        i = int(index)
+        if not -n <= i < n:
+            raise IndexError(f"row {i} out of range for {n} cells")
+        return np.array([i % n], dtype=np.int64), True
+    array = np.asarray(index)
+    if array.dtype == bool:
+        if array.shape != (n,):
+            raise IndexError(f"boolean row mask of shape {array.shape} for {n} cells")
+        return np.flatnonzero(array).astype(np.int64), False
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64), False
+    if array.dtype.kind not in "iu":
+        raise IndexError(f"cannot index rows with {array.dtype} values")
+    rows = array.reshape(-1).astype(np.int64)
+    if rows.min() < -n or rows.max() >= n:
+        raise IndexError(f"row index out of range for {n} cells")
+    return np.where(rows < 0, rows + n, rows), False
+
+
+def _is_sequence(index: Any) -> bool:
+    return not isinstance(index, slice | int | np.integer) and np.ndim(index) == 1
+
+
+def _as_positions(index: Any) -> np.ndarray:
+    array = np.asarray(index)
+    return np.flatnonzero(array) if array.dtype == bool else array
+
+
+class DeltacellsCSRDataset(CSRDataset):
+    """X of a deltacells dataset: a lazily decoded CSR matrix (an :class:`anndata.abc.CSRDataset`).
+
+    Indexing decodes only the tiles, and within them only the chunks, that the requested rows
+    live in. Parsed tiles are kept in a cache bounded in bytes.
+
+    Parameters
+    ----------
+    dataset
+        An opened :class:`~deltacells.Dataset`.
+    column_order
+        ``"source"`` (the gene order the data was written in, via ``gene_order.npy``) or
+        ``"stored"`` (the on-disk order, skipping the column permutation).
+    values_dtype
+        ``float32`` (default), ``float64`` or ``int32``.
+    n_threads
+        Decoding threads; ``None`` resolves like scikit-learn.
+    tile_cache_bytes
+        Most bytes of tiles kept parsed in memory.
+    """
+
+    format = "csr"
+    backend = "deltacells"
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        column_order: str = "source",
+        values_dtype: DTypeLike = np.float32,
+        n_threads: int | None = None,
+        tile_cache_bytes: int = 256 * 2**20,
+    ) -> None:
+        if column_order not in COLUMN_ORDERS:
+            raise ValueError(f"column_order must be one of {COLUMN_ORDERS}, not {column_order!r}")
+        self.dataset = dataset
+        self.column_order = column_order
+        self.dtype = _value_dtype(values_dtype)
+        self.n_threads = n_threads
+        self.tile_cache_bytes = tile_cache_bytes
+        self.shape = dataset.shape
+        self._limits = dataset.manifest.limits
+        self._starts = np.concatenate([[0], self._limits[:-1]]).astype(np.int64)
+        order = dataset.gene_order() if column_order == "source" else None
+        self._to_source = None if order is None else order.astype(np.int64)
+        self._cache: OrderedDict[int, Tile] = OrderedDict()
+        self._cached_bytes = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"DeltacellsCSRDataset({self.dataset.store.describe()!r}, shape={self.shape}, "
+            f"dtype={self.dtype}, column_order={self.column_order!r})"
+        )
+
+    @property
+    def nnz(self) -> int:
+        """Stored nonzeros."""
+        return self.dataset.manifest.nnz
+
+    # -- tiles ---------------------------------------------------------------------------------
+
+    def tile(self, index: int) -> Tile:
+        """Tile ``index``, parsed and validated once, then served from the cache."""
+        tile = self._cache.get(index)
+        if tile is not None:
+            self._cache.move_to_end(index)
+            return tile
+        tile = self.dataset.tile(index, n_threads=self.n_threads)
+        self._cache[index] = tile
+        self._cached_bytes += tile.nbytes
+        while self._cached_bytes > self.tile_cache_bytes and len(self._cache) > 1:
+            _, old = self._cache.popitem(last=False)
+            self._cached_bytes -= old.nbytes
+        return tile
+
+    def _present(self, matrix: sp.csr_matrix) -> sp.csr_matrix:
+        """Columns in the requested order (source order moves and re-sorts them)."""
+        if self._to_source is None:
+            return matrix
+        indptr, indices, data = _permute(matrix, self._to_source, self.shape[1])
+        out = sp.csr_matrix((data, indices, indptr), shape=matrix.shape, copy=False)
+        out.has_canonical_format = True
+        return out
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def get_rows(self, rows: np.ndarray) -> sp.csr_matrix:
+        """Cells ``rows`` (int64 positions, any order, repeats allowed) as CSR."""
+        n_genes = self.shape[1]
+        if rows.size == 0:
+            return sp.csr_matrix((0, n_genes), dtype=self.dtype)
+        which = np.searchsorted(self._limits, rows, side="right")
+        pieces, positions = [], []
+        for t in np.unique(which):
+            mine = np.flatnonzero(which == t)
+            local = rows[mine] - self._starts[t]
+            pieces.append(self.tile(int(t)).gather(local, self.dtype, n_threads=self.n_threads))
+            positions.append(mine)
+        if len(pieces) == 1:
+            stacked = pieces[0]
+        else:
+            stacked = sp.vstack(pieces, format="csr")
+            order = np.concatenate(positions)
+            if np.any(np.diff(order) < 0):
+                stacked = stacked[np.argsort(order, kind="stable")]
+        return self._present(sp.csr_matrix(stacked))
+
+    def __getitem__(self, index: Any) -> sp.csr_matrix | float:
+        """Rows and columns the way scipy and anndata index a CSR matrix."""
+        if isinstance(index, tuple):
+            if len(index) == 1:
+                row_index, col_index = index[0], slice(None)
+            elif len(index) == 2:
+                row_index, col_index = index
+            else:
+                raise IndexError(f"too many indices ({len(index)}) for a 2-D matrix")
+        else:
+            row_index, col_index = index, slice(None)
+        # anndata views pass np.ix_ grids, (n, 1) rows and (1, m) columns: an outer selection.
+        if isinstance(row_index, np.ndarray) and row_index.ndim == 2:
+            rows, _ = _normalize_rows(row_index.ravel(), self.shape[0])
+            return self.get_rows(rows)[:, _as_positions(np.asarray(col_index).ravel())]
+        rows, scalar_row = _normalize_rows(row_index, self.shape[0])
+        matrix = self.get_rows(rows)
+        if _is_sequence(row_index) and _is_sequence(col_index):
+            # Two 1-D index arrays select points, as in scipy (anndata views pass ix_ grids).
+            return matrix[np.arange(len(rows)), _as_positions(col_index)]
+        if scalar_row:
+            return matrix[0, col_index] if not isinstance(col_index, slice) else matrix
+        if isinstance(col_index, slice) and col_index == slice(None):
+            return matrix
+        if not isinstance(col_index, slice | int | np.integer):
+            col_index = _as_positions(col_index)
+        return matrix[:, col_index]
+
+    def to_memory(self) -> sp.csr_matrix:
+        """The whole matrix as one CSR, every tile decoded into one set of buffers."""
+        m = self.dataset.manifest
+        nnz = m.nnz
+        indices = empty_output(nnz, np.int32)
+        values = empty_output(nnz, self.dtype)
+        indptr = np.zeros(m.n_cells + 1, dtype=np.int64)
+        offset = 0
+        for t in range(m.n_tiles):
+            tile = self.tile(t)
+            end = offset + tile.nnz
+            tile.decode_into(indices[offset:end], values[offset:end], n_threads=self.n_threads)
+            start = int(self._starts[t])
+            indptr[start + 1 : start + tile.shape[0] + 1] = tile.indptr[1:] + offset
+            offset += tile.nnz
+        matrix = sp.csr_matrix((values, indices, indptr), shape=self.shape, copy=False)
+        matrix.has_canonical_format = True
+        return self._present(matrix)
+
+
+def _permute(matrix: sp.csr_matrix, col_map: np.ndarray, n_cols: int):
+    """Columns moved by ``col_map`` with rows re-sorted, values kept in their dtype."""
+    indptr = matrix.indptr.astype(np.int64)
+    # The kernel moves int32 payloads; carry positions and gather values afterwards.
+    positions = np.arange(matrix.nnz, dtype=np.int32) if matrix.nnz < 2**31 else None
+    if positions is None:  # pragma: no cover - more than 2^31 nonzeros in one request
+        out = sp.csr_matrix((matrix.data, col_map[matrix.indices], indptr), shape=matrix.shape)
+        out.sort_indices()
+        return out.indptr, out.indices, out.data
+    new_indptr, new_indices, moved = _kernels.remap_columns(
+        indptr, np.ascontiguousarray(matrix.indices, dtype=np.int32), positions, col_map, n_cols
+    )
+    return new_indptr, new_indices, matrix.data[moved]
+
+
+def read_deltacells(
+    url_or_path: str | os.PathLike,
+    *,
+    obs: bool | Sequence[str] = True,
+    column_order: str = "source",
+    values_dtype: DTypeLike = np.float32,
+    storage_options: dict | None = None,
+    n_threads: int | None = None,
+    tile_cache_bytes: int = 256 * 2**20,
+) -> ad.AnnData:
+    """Open a deltacells dataset as an AnnData with a lazily decoded X.
+
+    Parameters
+    ----------
+    url_or_path
+        Local directory or fsspec URL of the dataset (format version 1 or 2).
+    obs
+        ``True`` for all obs columns, a list of column names, or ``False`` for obs_names only.
+    column_order
+        ``"source"`` (default): genes in the order they were written, with ``var`` in that
+        order; ``"stored"``: the on-disk order (faster, no column permutation).
+    values_dtype
+        dtype of decoded values: ``float32`` (default), ``float64`` or ``int32``.
+    storage_options
+        fsspec options for URLs.
+    n_threads
+        Decoding threads; ``None`` resolves like scikit-learn.
+    tile_cache_bytes
+        Most bytes of parsed tiles kept in memory.
+
+    Returns
+    -------
+    anndata.AnnData
+        X is a :class:`DeltacellsCSRDataset`; obs and var are in memory.
+    """
+    dataset = open_dataset(url_or_path, storage_options=storage_options)
+    X = DeltacellsCSRDataset(dataset, column_order=column_order, values_dtype=values_dtype,
+                             n_threads=n_threads, tile_cache_bytes=tile_cache_bytes)  # fmt: skip
+    var = _var(dataset, column_order)
+    obs_frame = _obs(dataset, obs)
+    return ad.AnnData(X=X, obs=obs_frame, var=var)
+
+
+def _var(dataset: Dataset, column_order: str) -> pd.DataFrame:
+    var = dataset.var()
+    if var is None:
+        names = dataset.var_names()
+        var = pd.DataFrame(index=pd.Index(names if names is not None else
+                                          [str(i) for i in range(dataset.shape[1])]))  # fmt: skip
+    var.index = var.index.astype(str)
+    order = dataset.gene_order()
+    if column_order == "source" and order is not None:
+        var = var.iloc[np.argsort(order)]
+    return var
+
+
+def _obs(dataset: Dataset, obs: bool | Sequence[str]) -> pd.DataFrame:
+    schema = dataset.obs_schema()
+    n_cells = dataset.shape[0]
+    if schema is None:
+        return pd.DataFrame(index=pd.Index([str(i) for i in range(n_cells)]))
+    if obs is True:
+        columns = [c for c in schema.names if c != OBS_INDEX_COLUMN]
+    elif obs is False:
+        columns = []
+    else:
+        columns = list(obs)
+        missing = [c for c in columns if c not in schema.names]
+        if missing:
+            raise KeyError(f"obs columns not in the dataset: {missing}")
+    index_column = dataset.manifest.metadata.get("obs_index_column") or OBS_INDEX_COLUMN
+    wanted = ([index_column] if index_column in schema.names else []) + columns
+    frame = dataset.read_obs(wanted)
+    if index_column in frame.columns:
+        frame.index = pd.Index(frame.pop(index_column).astype(str).to_numpy())
+    else:
+        frame.index = pd.Index([str(i) for i in range(n_cells)])
+    return frame

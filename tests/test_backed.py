@@ -1,0 +1,134 @@
+"""read_deltacells: the lazy X answers every index the way anndata in memory does."""
+
+from __future__ import annotations
+
+import anndata as ad
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from conftest import DATA_DIR
+from test_writer import small_adata
+
+import deltacells as dc
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A dataset written from a small AnnData (several tiles), and the AnnData itself."""
+    root = tmp_path_factory.mktemp("backed")
+    adata = small_adata(n_cells=700, n_genes=150, seed=5)
+    adata.X = adata.X.astype(np.float32)
+    dc.write_deltacells(adata, root / "d", tile_size=128, n_chunks=4, progress=False)
+    return dc.read_deltacells(root / "d"), adata
+
+
+def same(actual, expected) -> None:
+    if sp.issparse(expected) or sp.issparse(actual):
+        actual, expected = sp.csr_matrix(actual), sp.csr_matrix(expected)
+        assert actual.shape == expected.shape
+        assert (actual != expected).nnz == 0
+    else:
+        np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected))
+
+
+INDICES = [
+    5,
+    -1,
+    slice(None),
+    slice(10, 300),
+    slice(690, 10, -7),
+    slice(None, None, 3),
+    np.array([650, 3, 3, 129, 0, 699]),
+    [1, 2, 3],
+    (slice(100, 200), slice(5, 40)),
+    (np.array([7, 300, 7]), np.array([3, 0, 149])),
+    (5, 7),
+    (slice(0, 50), [4, 2, 2]),
+]
+
+
+@pytest.mark.parametrize("index", INDICES, ids=[repr(i)[:40] for i in INDICES])
+def test_x_getitem_matches_scipy(pair, index):
+    backed, adata = pair
+    same(backed.X[index], adata.X[index])
+
+
+def test_boolean_masks(pair):
+    backed, adata = pair
+    mask = np.random.default_rng(0).random(700) < 0.3
+    same(backed.X[mask], adata.X[mask])
+    gene_mask = np.random.default_rng(1).random(150) < 0.5
+    same(backed.X[mask][:, gene_mask], adata.X[mask][:, gene_mask])
+    same(backed.X[slice(None), gene_mask], adata.X[:, gene_mask])
+
+
+@pytest.mark.parametrize(
+    "index",
+    [slice(20, 400), np.array([600, 2, 2, 130]), (slice(None), slice(10, 60)),
+     (np.array([5, 1]), np.array([9, 3])), "mask"],
+    ids=["slice", "fancy", "cols", "both", "mask"],
+)  # fmt: skip
+def test_views_and_to_memory(pair, index):
+    backed, adata = pair
+    if isinstance(index, str):
+        index = adata.obs["is_doublet"].to_numpy() | (np.arange(700) % 9 == 0)
+    view, expected = backed[index], adata[index]
+    same(view.X, expected.X)
+    same(view.to_memory().X, expected.X)
+    assert list(view.obs_names) == list(expected.obs_names)
+    assert list(view.var_names) == list(expected.var_names)
+
+
+def test_whole_matrix_and_metadata(pair):
+    backed, adata = pair
+    assert isinstance(backed.X, ad.abc.CSRDataset)
+    assert backed.X.shape == adata.shape and backed.X.dtype == np.float32
+    same(backed.X.to_memory(), adata.X)
+    assert list(backed.var_names) == list(adata.var_names)  # source order restored
+    np.testing.assert_array_equal(backed.var["gene_ids"], adata.var["gene_ids"])
+    assert list(backed.obs_names) == list(adata.obs_names)
+    assert backed.obs["batch"].tolist() == adata.obs["batch"].tolist()
+
+
+def test_stored_column_order(pair, tmp_path):
+    _, adata = pair
+    dc.write_deltacells(adata, tmp_path / "d", tile_size=100, progress=False)
+    stored = dc.read_deltacells(tmp_path / "d", column_order="stored", obs=False)
+    order = dc.open_dataset(tmp_path / "d").gene_order()
+    same(stored.X.to_memory(), adata.X[:, order])
+    assert list(stored.var_names) == list(adata.var_names[order])
+    assert list(stored.obs.columns) == []
+    assert list(stored.obs_names) == list(adata.obs_names)
+
+
+def test_values_dtypes_and_obs_selection(pair, tmp_path):
+    _, adata = pair
+    dc.write_deltacells(adata, tmp_path / "d", tile_size=100, progress=False)
+    as_int = dc.read_deltacells(tmp_path / "d", values_dtype=np.int32, obs=["cell_type"])
+    assert as_int.X.dtype == np.int32 and as_int.X[3:9].dtype == np.int32
+    assert list(as_int.obs.columns) == ["cell_type"]
+    with pytest.raises(KeyError, match="nope"):
+        dc.read_deltacells(tmp_path / "d", obs=["nope"])
+
+
+def test_real_data_slices(real_counts, tmp_path):
+    dc.write_deltacells(DATA_DIR / "liao2020_balf.h5ad", tmp_path / "liao", progress=False)
+    backed = dc.read_deltacells(tmp_path / "liao")
+    X = real_counts["liao2020_balf"]
+    rng = np.random.default_rng(2)
+    rows = rng.integers(0, X.shape[0], 2000)
+    same(backed.X[rows], X[rows])
+    same(backed.X[5000:9000], X[5000:9000])
+    same(backed.X.to_memory(), X)
+
+
+def test_errors(pair):
+    backed, _ = pair
+    with pytest.raises(IndexError):
+        backed.X[700]
+    with pytest.raises(IndexError):
+        backed.X[np.array([0, 800])]
+    with pytest.raises(IndexError):
+        backed.X[0, 0, 0]
+    with pytest.raises(ValueError, match="column_order"):
+        dc.DeltacellsCSRDataset(backed.X.dataset, column_order="sideways")
