@@ -132,3 +132,13 @@ def test_errors(pair):
         backed.X[0, 0, 0]
     with pytest.raises(ValueError, match="column_order"):
         dc.DeltacellsCSRDataset(backed.X.dataset, column_order="sideways")
+
+
+def test_pickles_and_reopens(pair):
+    import pickle
+
+    backed, adata = pair
+    clone = pickle.loads(pickle.dumps(backed.X))
+    assert clone is not backed.X and clone.shape == backed.X.shape
+    same(clone[10:20], adata.X[10:20])
+    assert clone._cache is not backed.X._cache

@@ -109,6 +109,28 @@ class DeltacellsCSRDataset(CSRDataset):
         self._cache: OrderedDict[int, Tile] = OrderedDict()
         self._cached_bytes = 0
 
+    def __getstate__(self) -> dict:
+        # Pickles as a recipe (location and options): each process reopens the dataset and
+        # builds its own tile cache, which also makes it safe across fork and spawn.
+        return {
+            "url": self.dataset.store.url,
+            "storage_options": self.dataset.store.storage_options,
+            "column_order": self.column_order,
+            "values_dtype": self.dtype.str,
+            "n_threads": self.n_threads,
+            "tile_cache_bytes": self.tile_cache_bytes,
+        }
+
+    def __setstate__(self, state: dict) -> None:
+        dataset = open_dataset(state["url"], storage_options=state["storage_options"])
+        self.__init__(
+            dataset,
+            column_order=state["column_order"],
+            values_dtype=np.dtype(state["values_dtype"]),
+            n_threads=state["n_threads"],
+            tile_cache_bytes=state["tile_cache_bytes"],
+        )
+
     def __repr__(self) -> str:
         return (
             f"DeltacellsCSRDataset({self.dataset.store.describe()!r}, shape={self.shape}, "
