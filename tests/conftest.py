@@ -40,3 +40,17 @@ def real_counts() -> dict[str, sp.csr_matrix]:
 @pytest.fixture(scope="session")
 def liao(real_counts) -> sp.csr_matrix:
     return real_counts["liao2020_balf"]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_obs_cache(tmp_path_factory):
+    """Tests never touch the user's ~/.cache: the obs cache lives in a session folder."""
+    import os
+
+    old = os.environ.get("DELTACELLS_CACHE")
+    os.environ["DELTACELLS_CACHE"] = str(tmp_path_factory.mktemp("obs-cache"))
+    yield
+    if old is None:
+        os.environ.pop("DELTACELLS_CACHE", None)
+    else:
+        os.environ["DELTACELLS_CACHE"] = old

@@ -18,6 +18,7 @@ from deltacells import _kernels
 from deltacells.codec import Tile, _value_dtype, empty_output
 from deltacells.dataset import Dataset, open_dataset
 from deltacells.manifest import OBS_INDEX_COLUMN
+from deltacells.obscache import ObsCache
 
 __all__ = ["DeltacellsCSRDataset", "read_deltacells"]
 
@@ -260,6 +261,7 @@ def read_deltacells(
     column_order: str = "source",
     values_dtype: DTypeLike = np.float32,
     storage_options: dict | None = None,
+    cache_dir: str | os.PathLike | None = None,
     n_threads: int | None = None,
     tile_cache_bytes: int = 256 * 2**20,
 ) -> ad.AnnData:
@@ -278,6 +280,8 @@ def read_deltacells(
         dtype of decoded values: ``float32`` (default), ``float64`` or ``int32``.
     storage_options
         fsspec options for URLs.
+    cache_dir
+        Where obs columns are cached (see :func:`deltacells.obscache.cache_root`).
     n_threads
         Decoding threads; ``None`` resolves like scikit-learn.
     tile_cache_bytes
@@ -292,7 +296,7 @@ def read_deltacells(
     X = DeltacellsCSRDataset(dataset, column_order=column_order, values_dtype=values_dtype,
                              n_threads=n_threads, tile_cache_bytes=tile_cache_bytes)  # fmt: skip
     var = _var(dataset, column_order)
-    obs_frame = _obs(dataset, obs)
+    obs_frame = _obs(dataset, obs, cache_dir)
     return ad.AnnData(X=X, obs=obs_frame, var=var)
 
 
@@ -309,7 +313,7 @@ def _var(dataset: Dataset, column_order: str) -> pd.DataFrame:
     return var
 
 
-def _obs(dataset: Dataset, obs: bool | Sequence[str]) -> pd.DataFrame:
+def _obs(dataset: Dataset, obs: bool | Sequence[str], cache_dir) -> pd.DataFrame:
     schema = dataset.obs_schema()
     n_cells = dataset.shape[0]
     if schema is None:
@@ -324,10 +328,12 @@ def _obs(dataset: Dataset, obs: bool | Sequence[str]) -> pd.DataFrame:
         if missing:
             raise KeyError(f"obs columns not in the dataset: {missing}")
     index_column = dataset.manifest.metadata.get("obs_index_column") or OBS_INDEX_COLUMN
-    wanted = ([index_column] if index_column in schema.names else []) + columns
-    frame = dataset.read_obs(wanted)
-    if index_column in frame.columns:
-        frame.index = pd.Index(frame.pop(index_column).astype(str).to_numpy())
+    cache = ObsCache(dataset, cache_dir)
+    cache.localize(([index_column] if index_column in schema.names else []) + columns)
+    frame = pd.DataFrame({c: cache.series(c).to_numpy() if schema[c].kind != "category"
+                          else cache.series(c) for c in columns})  # fmt: skip
+    if index_column in schema.names:
+        frame.index = pd.Index(cache.series(index_column).astype(str).to_numpy())
     else:
         frame.index = pd.Index([str(i) for i in range(n_cells)])
     return frame

@@ -97,6 +97,15 @@ class Store:
         except FileNotFoundError:
             raise FormatError(f"{self.describe(name)}: missing") from None
 
+    def open(self, name: str):
+        """A seekable binary file object for ``name`` (ranged reads on remote stores)."""
+        try:
+            if self.is_local:
+                return open(self._path(name), "rb")
+            return self._fs.open(self._path(name), "rb")
+        except FileNotFoundError:
+            raise FormatError(f"{self.describe(name)}: missing") from None
+
     def list(self, prefix: str = "") -> list[str]:
         """Names of all objects below ``prefix`` (recursively), relative to the root."""
         if self.is_local:
