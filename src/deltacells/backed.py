@@ -17,7 +17,7 @@ from numpy.typing import DTypeLike
 from deltacells import _kernels
 from deltacells.codec import Tile, _value_dtype, empty_output
 from deltacells.dataset import Dataset, open_dataset
-from deltacells.manifest import OBS_INDEX_COLUMN
+from deltacells.manifest import OBS_INDEX_COLUMN, tile_name
 from deltacells.obscache import ObsCache
 
 __all__ = ["DeltacellsCSRDataset", "read_deltacells"]
@@ -147,17 +147,35 @@ class DeltacellsCSRDataset(CSRDataset):
 
     def tile(self, index: int) -> Tile:
         """Tile ``index``, parsed and validated once, then served from the cache."""
-        tile = self._cache.get(index)
-        if tile is not None:
-            self._cache.move_to_end(index)
-            return tile
-        tile = self.dataset.tile(index, n_threads=self.n_threads)
+        return self.tiles([index])[0]
+
+    def tiles(self, indices: Sequence[int]) -> list[Tile]:
+        """Several tiles; those not cached are fetched concurrently in background threads."""
+        missing = [t for t in dict.fromkeys(int(t) for t in indices) if t not in self._cache]
+        if len(missing) > 1:
+            futures = self.dataset.store.prefetch([tile_name(t) for t in missing])
+            blobs = {t: futures[tile_name(t)] for t in missing}
+        else:
+            blobs = {}
+        for t in missing:
+            blob = blobs[t].result() if t in blobs else None
+            self._remember(t, self.dataset.tile(t, n_threads=self.n_threads, blob=blob))
+        result = []
+        for t in indices:
+            tile = self._cache.get(int(t))
+            if tile is None:  # evicted while loading a larger batch than the cache holds
+                tile = self.dataset.tile(int(t), n_threads=self.n_threads)
+            else:
+                self._cache.move_to_end(int(t))
+            result.append(tile)
+        return result
+
+    def _remember(self, index: int, tile: Tile) -> None:
         self._cache[index] = tile
         self._cached_bytes += tile.nbytes
         while self._cached_bytes > self.tile_cache_bytes and len(self._cache) > 1:
             _, old = self._cache.popitem(last=False)
             self._cached_bytes -= old.nbytes
-        return tile
 
     def _present(self, matrix: sp.csr_matrix) -> sp.csr_matrix:
         """Columns in the requested order (source order moves and re-sorts them)."""
@@ -176,11 +194,12 @@ class DeltacellsCSRDataset(CSRDataset):
         if rows.size == 0:
             return sp.csr_matrix((0, n_genes), dtype=self.dtype)
         which = np.searchsorted(self._limits, rows, side="right")
+        touched = np.unique(which)
         pieces, positions = [], []
-        for t in np.unique(which):
+        for t, tile in zip(touched, self.tiles(touched.tolist()), strict=True):
             mine = np.flatnonzero(which == t)
             local = rows[mine] - self._starts[t]
-            pieces.append(self.tile(int(t)).gather(local, self.dtype, n_threads=self.n_threads))
+            pieces.append(tile.gather(local, self.dtype, n_threads=self.n_threads))
             positions.append(mine)
         if len(pieces) == 1:
             stacked = pieces[0]
@@ -227,8 +246,14 @@ class DeltacellsCSRDataset(CSRDataset):
         values = empty_output(nnz, self.dtype)
         indptr = np.zeros(m.n_cells + 1, dtype=np.int64)
         offset = 0
+        window = 4  # tiles fetched ahead while the current one decodes
+        futures = self.dataset.store.prefetch([tile_name(t) for t in range(min(window, m.n_tiles))])
         for t in range(m.n_tiles):
-            tile = self.tile(t)
+            if t + window < m.n_tiles:
+                futures |= self.dataset.store.prefetch([tile_name(t + window)])
+            cached = self._cache.get(t)
+            blob = futures.pop(tile_name(t)).result()
+            tile = cached or self.dataset.tile(t, n_threads=self.n_threads, blob=blob)
             end = offset + tile.nnz
             tile.decode_into(indices[offset:end], values[offset:end], n_threads=self.n_threads)
             start = int(self._starts[t])

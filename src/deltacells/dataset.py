@@ -61,19 +61,33 @@ class Dataset:
 
     def tile_blob(self, index: int) -> bytes:
         """The bytes of tile ``index``, checked against the manifest's size."""
-        name = tile_name(index)
-        blob = self.store.read_bytes(name)
+        return self._checked_blob(index, self.store.read_bytes(tile_name(index)))
+
+    def _checked_blob(self, index: int, blob: bytes) -> bytes:
         if len(blob) != self.manifest.tile_bytes[index]:
             raise FormatError(
-                f"{self.store.describe(name)}: {len(blob)} bytes, the manifest says "
+                f"{self.store.describe(tile_name(index))}: {len(blob)} bytes, the manifest says "
                 f"{self.manifest.tile_bytes[index]}"
             )
         return blob
 
-    def tile(self, index: int, *, verify_crc: bool = True, n_threads: int | None = None) -> Tile:
-        """Tile ``index`` parsed and validated, checked against the manifest's counts."""
+    def tile(
+        self,
+        index: int,
+        *,
+        verify_crc: bool = True,
+        n_threads: int | None = None,
+        blob: bytes | None = None,
+    ) -> Tile:
+        """Tile ``index`` parsed and validated, checked against the manifest's counts.
+
+        ``blob`` may hold the tile's bytes if they were fetched already (e.g. prefetched).
+        """
+        if not 0 <= index < self.manifest.n_tiles:
+            raise IndexError(f"tile {index} out of range ({self.manifest.n_tiles} tiles)")
         name = self.store.describe(tile_name(index))
-        tile = Tile(self.tile_blob(index), name=name, verify_crc=verify_crc, n_threads=n_threads)
+        blob = self.tile_blob(index) if blob is None else self._checked_blob(index, blob)
+        tile = Tile(blob, name=name, verify_crc=verify_crc, n_threads=n_threads)
         m = self.manifest
         if tile.shape != (m.tile_cells[index], m.n_genes) or tile.nnz != m.tile_nnz[index]:
             raise FormatError(

@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from deltacells.format import FormatError
 
-__all__ = ["Store", "open_store"]
+__all__ = ["StorageError", "Store", "open_store"]
+
+
+class StorageError(OSError):
+    """Reading from a store kept failing after retries (the message names the URL)."""
 
 
 def _is_url(path: str) -> bool:
@@ -31,12 +37,41 @@ class Store:
         A local directory, a ``file://`` URL or an fsspec URL.
     storage_options
         Passed to fsspec for URLs (credentials, endpoint, ...).
+    retries, backoff
+        Transient read failures are retried this many times, waiting ``backoff`` seconds and
+        doubling each time.
+    io_threads
+        Threads for background prefetching.
     """
 
-    def __init__(self, root: str | os.PathLike, storage_options: dict | None = None) -> None:
+    def __getstate__(self) -> dict:
+        # Pickles as its location and options; the other side reconnects lazily.
+        return {
+            "root": self.url,
+            "storage_options": self.storage_options,
+            "retries": self.retries,
+            "backoff": self.backoff,
+            "io_threads": self.io_threads,
+        }
+
+    def __setstate__(self, state: dict) -> None:
+        root = state.pop("root")
+        self.__init__(root, state.pop("storage_options"), **state)
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        storage_options: dict | None = None,
+        *,
+        retries: int = 4,
+        backoff: float = 0.05,
+        io_threads: int = 8,
+    ) -> None:
         root = os.fspath(root)
         self.url = root
         self.storage_options = dict(storage_options or {})
+        self.retries, self.backoff, self.io_threads = retries, backoff, io_threads
+        self._executor: ThreadPoolExecutor | None = None
         if root.startswith("file://"):
             root = root[len("file://") :]
         self.is_local = not _is_url(root)
@@ -63,48 +98,72 @@ class Store:
 
     # -- reading -------------------------------------------------------------------------------
 
+    def _retrying(self, what: str, name: str, call):
+        """Run ``call()``, retrying transient failures with exponential backoff.
+
+        A missing object is not transient: it raises FormatError at once. Anything else that
+        keeps failing raises :class:`StorageError` naming the URL and the attempts made.
+        """
+        delay = self.backoff
+        for attempt in range(1, self.retries + 2):
+            try:
+                return call()
+            except FileNotFoundError:
+                raise FormatError(f"{self.describe(name)}: missing") from None
+            except (OSError, TimeoutError, ConnectionError) as err:
+                if attempt > self.retries:
+                    raise StorageError(
+                        f"{self.describe(name)}: {what} failed {attempt} times; last error: {err}"
+                    ) from err
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def exists(self, name: str) -> bool:
         """Whether object ``name`` exists."""
         if self.is_local:
             return Path(self._path(name)).exists()
-        return self._fs.exists(self._path(name))
+        return self._retrying("exists", name, lambda: self._fs.exists(self._path(name)))
 
     def size(self, name: str) -> int:
         """Size of object ``name`` in bytes."""
-        try:
-            if self.is_local:
-                return os.stat(self._path(name)).st_size
-            return int(self._fs.size(self._path(name)))
-        except FileNotFoundError:
-            raise FormatError(f"{self.describe(name)}: missing") from None
+        if self.is_local:
+            return self._retrying("stat", name, lambda: os.stat(self._path(name)).st_size)
+        return self._retrying("size", name, lambda: int(self._fs.size(self._path(name))))
 
     def read_bytes(self, name: str) -> bytes:
         """The whole object ``name``."""
-        try:
-            if self.is_local:
-                return Path(self._path(name)).read_bytes()
-            return self._fs.cat_file(self._path(name))
-        except FileNotFoundError:
-            raise FormatError(f"{self.describe(name)}: missing") from None
+        if self.is_local:
+            return self._retrying("read", name, lambda: Path(self._path(name)).read_bytes())
+        return self._retrying("read", name, lambda: self._fs.cat_file(self._path(name)))
 
     def read_range(self, name: str, start: int, stop: int) -> bytes:
         """Bytes ``start:stop`` of object ``name``."""
-        try:
-            if self.is_local:
+        if self.is_local:
+
+            def read() -> bytes:
                 with open(self._path(name), "rb") as f:
                     return os.pread(f.fileno(), stop - start, start)
-            return self._fs.cat_file(self._path(name), start=start, end=stop)
-        except FileNotFoundError:
-            raise FormatError(f"{self.describe(name)}: missing") from None
+
+            return self._retrying("ranged read", name, read)
+        return self._retrying(
+            "ranged read", name, lambda: self._fs.cat_file(self._path(name), start=start, end=stop)
+        )
+
+    def prefetch(self, names: list[str]) -> dict[str, Future]:
+        """Start reading ``names`` in background threads; returns a future per name."""
+        return {name: self._pool().submit(self.read_bytes, name) for name in names}
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.io_threads, thread_name_prefix="deltacells-io")
+        return self._executor
 
     def open(self, name: str):
         """A seekable binary file object for ``name`` (ranged reads on remote stores)."""
-        try:
-            if self.is_local:
-                return open(self._path(name), "rb")
-            return self._fs.open(self._path(name), "rb")
-        except FileNotFoundError:
-            raise FormatError(f"{self.describe(name)}: missing") from None
+        if self.is_local:
+            return self._retrying("open", name, lambda: open(self._path(name), "rb"))
+        return self._retrying("open", name, lambda: self._fs.open(self._path(name), "rb"))
 
     def list(self, prefix: str = "") -> list[str]:
         """Names of all objects below ``prefix`` (recursively), relative to the root."""
