@@ -1,0 +1,132 @@
+"""Reading through a real S3 API: moto's S3 server on 127.0.0.1, s3fs as the client."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from test_writer import small_adata
+
+import deltacells as dc
+from deltacells.storage import StorageError, Store
+
+moto_server = pytest.importorskip("moto.server", reason="moto[server] is a test dependency")
+pytest.importorskip("s3fs", reason="s3fs is a test dependency")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory, monkeypatch_module):
+    """A moto S3 server with one bucket holding a dataset; yields (url, options, adata)."""
+    import boto3
+
+    for key, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
+        monkeypatch_module.setenv(key, value)
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        client.create_bucket(Bucket="cells")
+        adata = small_adata(n_cells=600)
+        adata.X = adata.X.astype(np.float32)
+        local = tmp_path_factory.mktemp("s3src") / "d"
+        dc.write_deltacells(adata, local, tile_size=100, progress=False)
+        for path in Path(local).rglob("*"):
+            if path.is_file():
+                client.upload_file(str(path), "cells", f"data/d/{path.relative_to(local)}")
+        options = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": endpoint},
+                   "skip_instance_cache": True}  # fmt: skip
+        yield "s3://cells/data/d", options, adata, client
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_read_slices_obs_and_to_memory_over_s3(s3, tmp_path):
+    url, options, adata, _ = s3
+    backed = dc.read_deltacells(url, storage_options=options, cache_dir=tmp_path)
+    rows = np.array([599, 0, 250, 250, 101])
+    assert (sp.csr_matrix(backed.X[rows]) != adata.X[rows]).nnz == 0
+    assert (backed.X[100:350] != adata.X[100:350]).nnz == 0
+    assert (backed.X.to_memory() != adata.X).nnz == 0
+    assert backed.obs["batch"].tolist() == adata.obs["batch"].tolist()
+    assert list(backed.obs_names) == list(adata.obs_names)
+    dc.open_dataset(url, storage_options=options).verify()
+
+
+def test_writing_to_s3(s3, tmp_path):
+    _, options, adata, _ = s3
+    dc.write_deltacells(adata[:150], "s3://cells/written", tile_size=64, progress=False,
+                        storage_options=options)  # fmt: skip
+    back = dc.read_deltacells("s3://cells/written", storage_options=options, cache_dir=tmp_path)
+    assert (back.X.to_memory() != adata.X[:150]).nnz == 0
+
+
+def test_transient_failures_are_retried(s3, monkeypatch):
+    url, options, adata, _ = s3
+    dataset = dc.open_dataset(url, storage_options=options)
+    fs = dataset.store._fs
+    real = fs.cat_file
+    failures = {"left": 3, "seen": 0}
+
+    def flaky(path, *args, **kwargs):
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            failures["seen"] += 1
+            raise ConnectionError("connection reset by peer (injected)")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "cat_file", flaky)
+    tile = dataset.tile(2)
+    assert failures["seen"] == 3  # three failures, then success
+    order = dataset.gene_order()
+    assert (tile.decode() != adata.X[200:300][:, order]).nnz == 0
+
+
+def test_persistent_failure_names_the_url(s3, monkeypatch):
+    url, options, _, _ = s3
+    dataset = dc.open_dataset(url, storage_options=options)
+    dataset.store.backoff = 0.001
+
+    def broken(path, *args, **kwargs):
+        raise TimeoutError("read timed out (injected)")
+
+    monkeypatch.setattr(dataset.store._fs, "cat_file", broken)
+    expected = r"s3://cells/data/d/tiles/tile_000001\.dct: read failed 5 times; last error: read"
+    with pytest.raises(StorageError, match=expected):
+        dataset.tile(1)
+
+
+def test_missing_objects_are_format_errors(s3):
+    _, options, _, client = s3
+    source = {"Bucket": "cells", "Key": "data/d/tiles/tile_000000.dct"}
+    client.copy_object(Bucket="cells", Key="broken/d/tiles/tile_000000.dct", CopySource=source)
+    with pytest.raises(dc.FormatError, match="incomplete dataset"):
+        dc.open_dataset("s3://cells/broken/d", storage_options=options)
+    with pytest.raises(FileNotFoundError):
+        dc.open_dataset("s3://cells/nothing-here", storage_options=options)
+
+
+def test_store_pickles(s3):
+    import pickle
+
+    url, options, _, _ = s3
+    store = pickle.loads(pickle.dumps(Store(url, options)))
+    assert store.exists("manifest.json")
