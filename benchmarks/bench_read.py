@@ -1,0 +1,296 @@
+"""Read benchmark: deltacells next to anndata backed h5ad (gzip and uncompressed) and zarr.
+
+    python benchmarks/bench_read.py [--cells 100000] [--repeats 7] [--no-s3]
+
+On one input (``liao2020_balf.h5ad`` stacked with shuffled rows to ``--cells`` cells), in one
+run: 4,096 random cells (sorted and unsorted indices), a contiguous 10,000-cell slice, the whole
+matrix into memory, and one obs column; locally and, with moto's S3 server on 127.0.0.1,
+through ``s3://`` (requests and bytes counted). Medians of ``--repeats`` runs, each from a freshly
+opened object (the OS page cache stays warm for every tool alike). Writes
+``benchmarks/results/read.json`` and ``docs/_static/bench_read.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import anndata as ad
+import h5py
+import numpy as np
+import scipy.sparse as sp
+import zarr
+from _common import machine
+
+import deltacells as dc
+from deltacells.obscache import ObsCache
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()  # warm-up: imports, OS page cache
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def make_inputs(source: Path, n_cells: int, workdir: Path) -> dict[str, Path]:
+    base = ad.read_h5ad(source)
+    rows = np.random.default_rng(0).integers(0, base.n_obs, n_cells)
+    adata = ad.AnnData(X=sp.csr_matrix(base.X)[rows], obs=base.obs.iloc[rows].copy(), var=base.var)
+    adata.obs_names = [f"{name}-{i}" for i, name in enumerate(adata.obs_names)]
+    paths = {
+        "h5ad_gzip": workdir / "gzip.h5ad",
+        "h5ad": workdir / "plain.h5ad",
+        "zarr": workdir / "x.zarr",
+        "deltacells": workdir / "x.dc",
+    }
+    adata.write_h5ad(paths["h5ad_gzip"], compression="gzip")
+    adata.write_h5ad(paths["h5ad"])
+    adata.write_zarr(paths["zarr"])
+    dc.write_deltacells(adata, paths["deltacells"], progress=False)
+    return paths
+
+
+def readers(paths: dict[str, Path], cache_dir: Path, storage_options: dict | None = None):
+    """Per tool: a function opening X freshly, and one localizing/reading an obs column."""
+
+    def open_h5(path):
+        return lambda: ad.io.sparse_dataset(h5py.File(path, "r")["X"])
+
+    def obs_h5(path):
+        def read(column):
+            with h5py.File(path, "r") as f:
+                return ad.io.read_elem(f["obs"][column])
+
+        return read
+
+    def obs_zarr(path):
+        return lambda column: ad.io.read_elem(zarr.open_group(str(path), mode="r")["obs"][column])
+
+    def open_dc(path):
+        return lambda: dc.read_deltacells(path, obs=False, storage_options=storage_options,
+                                          cache_dir=cache_dir).X  # fmt: skip
+
+    def obs_dc(path):
+        def read(column):
+            fresh = Path(tempfile.mkdtemp(dir=cache_dir))
+            dataset = dc.open_dataset(path, storage_options=storage_options)
+            return ObsCache(dataset, fresh).series(column)
+
+        return read
+
+    tools = {
+        "deltacells": (open_dc(paths["deltacells"]), obs_dc(paths["deltacells"])),
+        "anndata_zarr": (
+            lambda: ad.io.sparse_dataset(zarr.open_group(str(paths["zarr"]), mode="r")["X"]),
+            obs_zarr(paths["zarr"]),
+        ),
+    }
+    if "h5ad" in paths:
+        tools["anndata_h5ad_backed"] = (open_h5(paths["h5ad"]), obs_h5(paths["h5ad"]))
+        tools["anndata_h5ad_gzip_backed"] = (
+            open_h5(paths["h5ad_gzip"]),
+            obs_h5(paths["h5ad_gzip"]),
+        )
+    return tools
+
+
+def run_suite(tools: dict, n_cells: int, repeats: int) -> dict:
+    rng = np.random.default_rng(1)
+    random_rows = rng.choice(n_cells, 4096, replace=False)
+    sorted_rows = np.sort(random_rows)
+    start = n_cells // 3
+    results: dict = {}
+    for name, (open_x, read_obs) in tools.items():
+        row: dict = {}
+
+        def unsorted(open_x=open_x, name=name):
+            X = open_x()
+            if name == "deltacells":
+                return X[random_rows]
+            # anndata's backed datasets want increasing indices: sort, read, put back in order.
+            order = np.argsort(random_rows)
+            inverse = np.empty_like(order)
+            inverse[order] = np.arange(len(order))
+            return X[random_rows[order]][inverse]
+
+        row["random_4096_unsorted_s"] = median_time(unsorted, repeats)
+        row["random_4096_sorted_s"] = median_time(
+            lambda open_x=open_x: open_x()[sorted_rows], repeats
+        )
+        row["slice_10000_s"] = median_time(
+            lambda open_x=open_x: open_x()[start : start + 10_000], repeats
+        )
+        row["to_memory_s"] = median_time(
+            lambda open_x=open_x: open_x().to_memory(), max(3, repeats // 2)
+        )
+        row["obs_column_s"] = median_time(lambda read_obs=read_obs: read_obs("sample"), repeats)
+        row["random_4096_unsorted_cells_per_s"] = 4096 / row["random_4096_unsorted_s"]
+        row["random_4096_sorted_cells_per_s"] = 4096 / row["random_4096_sorted_s"]
+        results[name] = row
+        print(f"  {name:26s} " + "  ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
+    dc_row = results["deltacells"]
+    results["ratios"] = {
+        other: {
+            key: results[other][key] / dc_row[key]
+            for key in (
+                "random_4096_unsorted_s",
+                "random_4096_sorted_s",
+                "slice_10000_s",
+                "to_memory_s",
+                "obs_column_s",
+            )
+        }
+        for other in results
+        if other != "deltacells"
+    }
+    return results
+
+
+def opening_cost(path: Path, repeats: int) -> dict:
+    """Seconds to open the dataset: the manifest only, whatever the number of tiles."""
+    seconds = median_time(lambda: dc.open_dataset(path), repeats)
+    return {"open_s": seconds, "n_tiles": dc.open_dataset(path).manifest.n_tiles}
+
+
+def s3_suite(paths: dict[str, Path], n_cells: int, repeats: int, cache_dir: Path) -> dict:
+    """The same reads through moto's S3 server, with requests and bytes counted per tool."""
+    import boto3
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                              aws_access_key_id="x", aws_secret_access_key="x")  # fmt: skip
+        client.create_bucket(Bucket="bench")
+        for key in ("deltacells", "zarr"):
+            for p in paths[key].rglob("*"):
+                if p.is_file():
+                    client.upload_file(str(p), "bench", f"{key}/{p.relative_to(paths[key])}")
+        options = {"key": "x", "secret": "x", "client_kwargs": {"endpoint_url": endpoint}}
+        counts = {"requests": 0, "bytes": 0}
+        original = s3fs.S3FileSystem._call_s3
+
+        async def counted(self, method, *args, **kwargs):
+            result = await original(self, method, *args, **kwargs)
+            counts["requests"] += 1
+            if isinstance(result, dict):
+                counts["bytes"] += int(result.get("ContentLength", 0) or 0)
+            return result
+
+        s3fs.S3FileSystem._call_s3 = counted
+        try:
+            fs = s3fs.S3FileSystem(**options)
+            remote = {"deltacells": "s3://bench/deltacells", "zarr": fs.get_mapper("bench/zarr")}
+            tools = {
+                "deltacells": readers(
+                    {"deltacells": remote["deltacells"], "zarr": paths["zarr"]}, cache_dir, options
+                )["deltacells"],
+                "anndata_zarr": (
+                    lambda: ad.io.sparse_dataset(zarr.open_group(remote["zarr"], mode="r")["X"]),
+                    lambda column: ad.io.read_elem(
+                        zarr.open_group(remote["zarr"], mode="r")["obs"][column]
+                    ),
+                ),
+            }
+            result = {}
+            rows = np.sort(np.random.default_rng(1).choice(n_cells, 4096, replace=False))
+            for name, (open_x, _) in tools.items():
+                counts.update(requests=0, bytes=0)
+                seconds = median_time(lambda open_x=open_x: open_x()[rows], max(3, repeats // 2))
+                per_call = {k: v / (max(3, repeats // 2) + 1) for k, v in counts.items()}
+                result[name] = {
+                    "random_4096_sorted_s": seconds,
+                    **{f"{k}_per_call": v for k, v in per_call.items()},
+                }
+                print(f"  s3 {name:23s} {seconds:.3f} s, {per_call['requests']:.0f} requests, "
+                      f"{per_call['bytes'] / 1e6:.1f} MB per call", flush=True)  # fmt: skip
+            return result
+        finally:
+            s3fs.S3FileSystem._call_s3 = original
+    finally:
+        server.stop()
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    local = {k: v for k, v in results["local"].items() if k != "ratios"}
+    keys = [
+        "random_4096_unsorted_s",
+        "random_4096_sorted_s",
+        "slice_10000_s",
+        "to_memory_s",
+        "obs_column_s",
+    ]
+    fig, ax = plt.subplots(figsize=(11, 4.2))
+    width = 0.8 / len(local)
+    for i, (tool, row) in enumerate(local.items()):
+        ax.bar(np.arange(len(keys)) + i * width, [row[k] for k in keys], width, label=tool)
+    ax.set_xticks(np.arange(len(keys)) + 0.4 - width / 2, [k.removesuffix("_s") for k in keys])
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds (median, lower is better)")
+    ax.legend(fontsize=8)
+    ax.set_title(
+        f"Reads from {results['n_cells']:,} cells, local ({results['machine']['cpu']})", fontsize=9
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--cells", type=int, default=100_000)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--no-s3", action="store_true")
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "read.json")
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "_static" / "bench_read.png")
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="dc-bench-read-"))
+    try:
+        print(f"making a {args.cells:,}-cell input in four formats ...", flush=True)
+        paths = make_inputs(args.data, args.cells, workdir)
+        cache_dir = workdir / "cache"
+        cache_dir.mkdir()
+        results = {"machine": machine(), "command": "python benchmarks/bench_read.py",
+                   "n_cells": args.cells, "repeats": args.repeats}  # fmt: skip
+        print("local:", flush=True)
+        results["local"] = run_suite(readers(paths, cache_dir), args.cells, args.repeats)
+        results["open"] = opening_cost(paths["deltacells"], args.repeats)
+        print(f"  opening: {results['open']}", flush=True)
+        if not args.no_s3:
+            print("through S3 (moto server on 127.0.0.1):", flush=True)
+            results["s3"] = s3_suite(paths, args.cells, args.repeats, cache_dir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
+    plot(results, args.plot)
+    print(f"wrote {args.json} and {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
