@@ -81,6 +81,9 @@ def test_views_and_to_memory(pair, index):
 
 def test_whole_matrix_and_metadata(pair):
     backed, adata = pair
+    in_memory = backed.to_memory()
+    assert isinstance(in_memory.X, sp.csr_matrix)
+    same(in_memory.X, adata.X)
     assert isinstance(backed.X, ad.abc.CSRDataset)
     assert backed.X.shape == adata.shape and backed.X.dtype == np.float32
     same(backed.X.to_memory(), adata.X)

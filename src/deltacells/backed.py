@@ -238,6 +238,37 @@ class DeltacellsCSRDataset(CSRDataset):
             col_index = _as_positions(col_index)
         return matrix[:, col_index]
 
+    def tile_matrix(self, index: int) -> sp.csr_matrix:
+        """All cells of tile ``index`` as CSR (columns in the requested order)."""
+        tile = self.tile(index)
+        return self._present(tile.decode(self.dtype, n_threads=self.n_threads))
+
+    def to_dask(self):
+        """A dask array with one chunk per tile, each a scipy CSR matrix (dask is optional).
+
+        scanpy's dask-aware functions (``normalize_total``, ``log1p``,
+        ``highly_variable_genes``, ``pca``) then run out of core, tile by tile.
+        """
+        try:
+            import dask
+            import dask.array as da
+        except ImportError as err:  # pragma: no cover - exercised without the extra
+            raise ImportError("to_dask needs dask: pip install 'deltacells[dask]'") from err
+        m = self.dataset.manifest
+        meta = sp.csr_matrix((0, self.shape[1]), dtype=self.dtype)
+        blocks = [
+            da.from_delayed(
+                dask.delayed(self.tile_matrix)(t),
+                shape=(m.tile_cells[t], self.shape[1]),
+                dtype=self.dtype,
+                meta=meta,
+            )
+            for t in range(m.n_tiles)
+        ]
+        if not blocks:
+            return da.from_array(meta, chunks=meta.shape, meta=meta)
+        return da.concatenate(blocks, axis=0)
+
     def to_memory(self) -> sp.csr_matrix:
         """The whole matrix as one CSR, every tile decoded into one set of buffers."""
         m = self.dataset.manifest
@@ -264,6 +295,21 @@ class DeltacellsCSRDataset(CSRDataset):
         return self._present(matrix)
 
 
+def _register_with_anndata() -> None:
+    """Let ``AnnData.to_memory()`` materialize our X.
+
+    anndata dispatches ``to_memory`` on its own backed classes only (not on
+    ``anndata.abc.CSRDataset``), so an AnnData holding our X would keep it lazy. The dispatcher
+    is internal to anndata: if it moves, ``AnnData.to_memory()`` keeps X lazy and
+    ``adata.X.to_memory()`` still works.
+    """
+    try:
+        from anndata._core.file_backing import to_memory
+    except ImportError:  # pragma: no cover - anndata internals changed
+        return
+    to_memory.register(DeltacellsCSRDataset)(lambda x, *, copy=False: x.to_memory())
+
+
 def _permute(matrix: sp.csr_matrix, col_map: np.ndarray, n_cols: int):
     """Columns moved by ``col_map`` with rows re-sorted, values kept in their dtype."""
     indptr = matrix.indptr.astype(np.int64)
@@ -279,6 +325,9 @@ def _permute(matrix: sp.csr_matrix, col_map: np.ndarray, n_cols: int):
     return new_indptr, new_indices, matrix.data[moved]
 
 
+_register_with_anndata()
+
+
 def read_deltacells(
     url_or_path: str | os.PathLike,
     *,
@@ -289,6 +338,7 @@ def read_deltacells(
     cache_dir: str | os.PathLike | None = None,
     n_threads: int | None = None,
     tile_cache_bytes: int = 256 * 2**20,
+    dask: bool = False,
 ) -> ad.AnnData:
     """Open a deltacells dataset as an AnnData with a lazily decoded X.
 
@@ -311,18 +361,21 @@ def read_deltacells(
         Decoding threads; ``None`` resolves like scikit-learn.
     tile_cache_bytes
         Most bytes of parsed tiles kept in memory.
+    dask
+        Make X a dask array with one scipy-CSR chunk per tile (see
+        :meth:`DeltacellsCSRDataset.to_dask`) instead of the lazy CSR dataset.
 
     Returns
     -------
     anndata.AnnData
-        X is a :class:`DeltacellsCSRDataset`; obs and var are in memory.
+        X is a :class:`DeltacellsCSRDataset` (or a dask array); obs and var are in memory.
     """
     dataset = open_dataset(url_or_path, storage_options=storage_options)
     X = DeltacellsCSRDataset(dataset, column_order=column_order, values_dtype=values_dtype,
                              n_threads=n_threads, tile_cache_bytes=tile_cache_bytes)  # fmt: skip
     var = _var(dataset, column_order)
     obs_frame = _obs(dataset, obs, cache_dir)
-    return ad.AnnData(X=X, obs=obs_frame, var=var)
+    return ad.AnnData(X=X.to_dask() if dask else X, obs=obs_frame, var=var)
 
 
 def _var(dataset: Dataset, column_order: str) -> pd.DataFrame:
