@@ -56,4 +56,5 @@ def remap_columns(
     data: NDArray[np.int32],
     col_map: NDArray[np.int64],
     n_out_cols: int,
+    n_threads: int = 1,
 ) -> tuple[NDArray[np.int64], NDArray[np.int32], NDArray[np.int32]]: ...

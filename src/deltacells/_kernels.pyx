@@ -934,13 +934,69 @@ def encode_chunks(const int64_t[::1] indptr, const int32_t[::1] indices,
 # Column permutation (writer)
 
 
+cdef void _sort_pairs(uint32_t* keys, int32_t* vals, uint32_t* tmp_keys, int32_t* tmp_vals,
+                      int64_t n, int passes) noexcept nogil:
+    """Sort ``n`` (key, value) pairs by key: insertion sort when short, else LSD radix sort
+    on bytes (``passes`` of them), leaving the result in ``keys``/``vals``."""
+    cdef int64_t i, j, counts[256], total, digit_count
+    cdef uint32_t key, shift
+    cdef int32_t val
+    cdef int pass_
+    cdef uint32_t* src_k = keys
+    cdef int32_t* src_v = vals
+    cdef uint32_t* dst_k = tmp_keys
+    cdef int32_t* dst_v = tmp_vals
+    cdef uint32_t* swap_k
+    cdef int32_t* swap_v
+    if n <= 48:
+        for i in range(1, n):
+            key = keys[i]
+            val = vals[i]
+            j = i - 1
+            while j >= 0 and keys[j] > key:
+                keys[j + 1] = keys[j]
+                vals[j + 1] = vals[j]
+                j -= 1
+            keys[j + 1] = key
+            vals[j + 1] = val
+        return
+    for pass_ in range(passes):
+        shift = 8 * pass_
+        for i in range(256):
+            counts[i] = 0
+        for i in range(n):
+            counts[(src_k[i] >> shift) & 0xFF] += 1
+        total = 0
+        for i in range(256):
+            digit_count = counts[i]
+            counts[i] = total
+            total += digit_count
+        for i in range(n):
+            j = counts[(src_k[i] >> shift) & 0xFF]
+            counts[(src_k[i] >> shift) & 0xFF] = j + 1
+            dst_k[j] = src_k[i]
+            dst_v[j] = src_v[i]
+        swap_k = src_k
+        src_k = dst_k
+        dst_k = swap_k
+        swap_v = src_v
+        src_v = dst_v
+        dst_v = swap_v
+    if src_k != keys:
+        for i in range(n):
+            keys[i] = src_k[i]
+            vals[i] = src_v[i]
+
+
 def remap_columns(const int64_t[::1] indptr, const int32_t[::1] indices,
-                  const int32_t[::1] data, const int64_t[::1] col_map, int64_t n_out_cols):
+                  const int32_t[::1] data, const int64_t[::1] col_map, int64_t n_out_cols,
+                  int n_threads=1):
     """Move the columns of a canonical CSR block to ``col_map[j]`` (``-1``: drop the column).
 
-    Rows come out with sorted indices: entries are bucketed by output column (a counting sort,
-    rows visited in order) and then dealt back to their rows column by column, two linear
-    passes instead of a comparison sort per row.
+    Each row's moved columns are sorted again with a byte-wise radix sort (two passes when
+    there are at most 65,536 columns) in buffers that stay in the L1 cache; rows run in
+    parallel on ``n_threads``. ``data`` is any 4-byte payload (int32 counts, float32 bits or
+    positions), carried along unchanged.
 
     Returns
     -------
@@ -949,54 +1005,54 @@ def remap_columns(const int64_t[::1] indptr, const int32_t[::1] indices,
     """
     cdef Py_ssize_t n_rows = indptr.shape[0] - 1
     cdef int64_t nnz = indptr[n_rows] if n_rows >= 0 else 0
-    cdef int64_t r, i, c, p, kept = 0
-    if col_map.shape[0] < 1 and nnz:
-        raise ValueError("col_map is empty")
-    col_start = np.zeros(n_out_cols + 1, dtype=np.int64)
-    out_indptr = np.zeros(n_rows + 1, dtype=np.int64)
-    cdef int64_t[::1] col_start_v = col_start
-    cdef int64_t[::1] out_indptr_v = out_indptr
+    cdef int64_t r, i, c, o, kept, widest = 0
+    cdef int64_t n_map = col_map.shape[0]
+    cdef int passes = 1
+    while passes < 4 and (n_out_cols - 1) >> (8 * passes) > 0:
+        passes += 1
     for i in range(nnz):
-        if indices[i] < 0 or indices[i] >= col_map.shape[0]:
+        if indices[i] < 0 or indices[i] >= n_map:
             raise ValueError(f"column index {indices[i]} outside col_map")
+    out_indptr = np.zeros(n_rows + 1, dtype=np.int64)
+    cdef int64_t[::1] out_indptr_v = out_indptr
     with nogil:
         for r in range(n_rows):
+            kept = 0
             for i in range(indptr[r], indptr[r + 1]):
-                c = col_map[indices[i]]
-                if c >= 0:
-                    col_start_v[c + 1] += 1
-                    out_indptr_v[r + 1] += 1
-        for c in range(n_out_cols):
-            col_start_v[c + 1] += col_start_v[c]
-        for r in range(n_rows):
-            out_indptr_v[r + 1] += out_indptr_v[r]
-        kept = out_indptr_v[n_rows]
-    bucket_row = np.empty(kept, dtype=np.int32)
-    bucket_val = np.empty(kept, dtype=np.int32)
+                kept = kept + (col_map[indices[i]] >= 0)
+            out_indptr_v[r + 1] = out_indptr_v[r] + kept
+            widest = max(widest, kept)
+    kept = out_indptr_v[n_rows]
     out_indices = np.empty(kept, dtype=np.int32)
     out_data = np.empty(kept, dtype=np.int32)
-    fill = col_start[:-1].copy()
-    row_fill = out_indptr[:-1].copy()
-    cdef int32_t[::1] bucket_row_v = bucket_row
-    cdef int32_t[::1] bucket_val_v = bucket_val
     cdef int32_t[::1] out_indices_v = out_indices
     cdef int32_t[::1] out_data_v = out_data
-    cdef int64_t[::1] fill_v = fill
-    cdef int64_t[::1] row_fill_v = row_fill
-    with nogil:
-        for r in range(n_rows):
+    cdef uint32_t* keys
+    cdef int32_t* vals
+    cdef int failed = 0
+    # Rows are independent once out_indptr is known: threads take rows, each with its own
+    # scratch (two key and two value buffers of the widest row).
+    with nogil, parallel(num_threads=n_threads):
+        keys = <uint32_t*>malloc((2 * widest + 2) * sizeof(uint32_t))
+        vals = <int32_t*>malloc((2 * widest + 2) * sizeof(int32_t))
+        for r in prange(n_rows, schedule="static"):
+            if keys == NULL or vals == NULL:
+                failed += 1
+                continue
+            o = 0
             for i in range(indptr[r], indptr[r + 1]):
                 c = col_map[indices[i]]
                 if c >= 0:
-                    p = fill_v[c]
-                    bucket_row_v[p] = <int32_t>r
-                    bucket_val_v[p] = data[i]
-                    fill_v[c] = p + 1
-        for c in range(n_out_cols):
-            for p in range(col_start_v[c], col_start_v[c + 1]):
-                r = bucket_row_v[p]
-                i = row_fill_v[r]
-                out_indices_v[i] = <int32_t>c
-                out_data_v[i] = bucket_val_v[p]
-                row_fill_v[r] = i + 1
+                    keys[o] = <uint32_t>c
+                    vals[o] = data[i]
+                    o = o + 1
+            _sort_pairs(keys, vals, keys + widest + 1, vals + widest + 1, o, passes)
+            c = out_indptr_v[r]
+            for i in range(o):
+                out_indices_v[c + i] = <int32_t>keys[i]
+                out_data_v[c + i] = vals[i]
+        free(keys)
+        free(vals)
+    if failed:
+        raise MemoryError("no memory for the column sort scratch")
     return out_indptr, out_indices, out_data

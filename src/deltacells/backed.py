@@ -15,6 +15,7 @@ from anndata.abc import CSRDataset
 from numpy.typing import DTypeLike
 
 from deltacells import _kernels
+from deltacells._parallel import effective_n_threads
 from deltacells.codec import Tile, _value_dtype, empty_output
 from deltacells.dataset import Dataset, open_dataset
 from deltacells.manifest import OBS_INDEX_COLUMN, tile_name
@@ -181,7 +182,8 @@ class DeltacellsCSRDataset(CSRDataset):
         """Columns in the requested order (source order moves and re-sorts them)."""
         if self._to_source is None:
             return matrix
-        indptr, indices, data = _permute(matrix, self._to_source, self.shape[1])
+        threads = effective_n_threads(self.n_threads)
+        indptr, indices, data = _permute(matrix, self._to_source, self.shape[1], threads)
         out = sp.csr_matrix((data, indices, indptr), shape=matrix.shape, copy=False)
         out.has_canonical_format = True
         return out
@@ -310,17 +312,22 @@ def _register_with_anndata() -> None:
     to_memory.register(DeltacellsCSRDataset)(lambda x, *, copy=False: x.to_memory())
 
 
-def _permute(matrix: sp.csr_matrix, col_map: np.ndarray, n_cols: int):
+def _permute(matrix: sp.csr_matrix, col_map: np.ndarray, n_cols: int, n_threads: int):
     """Columns moved by ``col_map`` with rows re-sorted, values kept in their dtype."""
     indptr = matrix.indptr.astype(np.int64)
-    # The kernel moves int32 payloads; carry positions and gather values afterwards.
-    positions = np.arange(matrix.nnz, dtype=np.int32) if matrix.nnz < 2**31 else None
-    if positions is None:  # pragma: no cover - more than 2^31 nonzeros in one request
+    indices = np.ascontiguousarray(matrix.indices, dtype=np.int32)
+    if matrix.data.dtype.itemsize == 4:
+        # int32 or float32 values ride along as their 4-byte patterns.
+        out = _kernels.remap_columns(indptr, indices, matrix.data.view(np.int32), col_map, n_cols,
+                                     n_threads)  # fmt: skip
+        return out[0], out[1], out[2].view(matrix.data.dtype)
+    if matrix.nnz >= 2**31:  # pragma: no cover - positions must fit int32
         out = sp.csr_matrix((matrix.data, col_map[matrix.indices], indptr), shape=matrix.shape)
         out.sort_indices()
         return out.indptr, out.indices, out.data
+    positions = np.arange(matrix.nnz, dtype=np.int32)
     new_indptr, new_indices, moved = _kernels.remap_columns(
-        indptr, np.ascontiguousarray(matrix.indices, dtype=np.int32), positions, col_map, n_cols
+        indptr, indices, positions, col_map, n_cols, n_threads
     )
     return new_indptr, new_indices, matrix.data[moved]
 
