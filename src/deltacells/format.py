@@ -235,31 +235,34 @@ def parse_layout(buf, where: str = "<tile>", header: TileHeader | None = None) -
     return TileLayout(**vars(h), chunks=chunks, indptr=indptr)
 
 
+def _first_suspect(bad: np.ndarray) -> int | None:
+    hits = np.flatnonzero(bad)
+    return int(hits[0]) if hits.size else None
+
+
 def _check_coverage(raw, indptr, n_cells, nnz, where) -> None:
-    """Chunks must cover the cells and nonzeros contiguously and agree with indptr."""
+    """Chunks must cover the cells and nonzeros contiguously and agree with indptr.
+
+    Checked for all chunks at once with numpy (tiles may have hundreds of chunks); the first
+    suspect chunk is then checked alone to name the rule it breaks.
+    """
     cell_lo, cell_hi = raw[:, CELL_LO], raw[:, CELL_HI]
     nnz_lo, nnz_hi = raw[:, NNZ_LO], raw[:, NNZ_HI]
-    n_chunks = len(raw)
-    for c in range(n_chunks):
-        lo, hi, a, b = int(cell_lo[c]), int(cell_hi[c]), int(nnz_lo[c]), int(nnz_hi[c])
-        expect_lo = 0 if c == 0 else int(cell_hi[c - 1])
-        expect_a = 0 if c == 0 else int(nnz_hi[c - 1])
-        if lo != expect_lo or a != expect_a:
-            raise _fail(
-                where,
-                f"chunk {c}: starts at cell {lo} / nonzero {a}, expected {expect_lo} / {expect_a} "
-                "(chunks must cover the tile contiguously)",
-            )
-        if hi < lo or hi > n_cells or b < a:
-            raise _fail(
-                where, f"chunk {c}: cells {lo}..{hi} / nonzeros {a}..{b} out of order or range"
-            )
-        if int(indptr[lo]) != a or int(indptr[hi]) != b:
-            raise _fail(
-                where, f"chunk {c}: nnz range {a}..{b} disagrees with indptr at cells {lo}, {hi}"
-            )
-        if b - a >= 2**32:
-            raise _fail(where, f"chunk {c}: {b - a} nonzeros (a chunk holds fewer than 2^32)")
+    zero = np.zeros(1, dtype=np.uint64)
+    bad = (cell_lo != np.concatenate([zero, cell_hi[:-1]])) | (
+        nnz_lo != np.concatenate([zero, nnz_hi[:-1]])
+    )
+    bad |= (cell_hi < cell_lo) | (cell_hi > np.uint64(n_cells)) | (nnz_hi < nnz_lo)
+    in_range = ~bad
+    lo = np.where(in_range, cell_lo, 0).astype(np.int64)
+    hi = np.where(in_range, cell_hi, 0).astype(np.int64)
+    bad |= in_range & (
+        (indptr[lo] != nnz_lo.astype(np.int64)) | (indptr[hi] != nnz_hi.astype(np.int64))
+    )
+    bad |= in_range & (nnz_hi - nnz_lo >= np.uint64(2**32))
+    suspect = _first_suspect(bad)
+    if suspect is not None:
+        _check_chunk_coverage(raw, indptr, n_cells, suspect, where)
     if int(cell_hi[-1]) != n_cells or int(nnz_hi[-1]) != nnz:
         raise _fail(
             where,
@@ -268,21 +271,61 @@ def _check_coverage(raw, indptr, n_cells, nnz, where) -> None:
         )
 
 
+def _check_chunk_coverage(raw, indptr, n_cells, c, where) -> None:
+    """The coverage rules for chunk ``c`` alone, raising with the rule it breaks."""
+    lo, hi = int(raw[c, CELL_LO]), int(raw[c, CELL_HI])
+    a, b = int(raw[c, NNZ_LO]), int(raw[c, NNZ_HI])
+    expect_lo = 0 if c == 0 else int(raw[c - 1, CELL_HI])
+    expect_a = 0 if c == 0 else int(raw[c - 1, NNZ_HI])
+    if lo != expect_lo or a != expect_a:
+        raise _fail(
+            where,
+            f"chunk {c}: starts at cell {lo} / nonzero {a}, expected {expect_lo} / {expect_a} "
+            "(chunks must cover the tile contiguously)",
+        )
+    if hi < lo or hi > n_cells or b < a:
+        raise _fail(where, f"chunk {c}: cells {lo}..{hi} / nonzeros {a}..{b} out of order or range")
+    if int(indptr[lo]) != a or int(indptr[hi]) != b:
+        raise _fail(
+            where, f"chunk {c}: nnz range {a}..{b} disagrees with indptr at cells {lo}, {hi}"
+        )
+    if b - a >= 2**32:
+        raise _fail(where, f"chunk {c}: {b - a} nonzeros (a chunk holds fewer than 2^32)")
+
+
 def _check_frame_locations(raw, streams_start, size, where) -> None:
     """Every frame lies inside the stream area, 8-byte aligned; gaps and vals always exist."""
+    n_frames = (raw.shape[1] - 4) // 2
+    offsets = raw[:, 4::2][:, :n_frames]
+    lengths = raw[:, 5::2][:, :n_frames]
+    present = lengths > 0
+    present[:, :2] = True  # gaps and vals frames must exist (a zero length is an error)
+    size_u = np.uint64(size)
+    outside = (
+        (offsets < np.uint64(streams_start))
+        | (offsets > size_u)
+        | (lengths > size_u - np.minimum(offsets, size_u))
+    )
+    bad = present & ((lengths == 0) | outside | (offsets % np.uint64(ALIGNMENT) != 0))
+    suspect = _first_suspect(bad.any(axis=1))
+    if suspect is not None:
+        _check_chunk_frames(raw, streams_start, size, suspect, where)
+
+
+def _check_chunk_frames(raw, streams_start, size, c, where) -> None:
+    """The frame-location rules for chunk ``c`` alone, raising with the rule it breaks."""
     names = ("gaps", "vals", "vexc", "gexc")[: (raw.shape[1] - 4) // 2]
-    for c in range(len(raw)):
-        for f, name in enumerate(names):
-            off, length = int(raw[c, 4 + 2 * f]), int(raw[c, 5 + 2 * f])
-            if f >= 2 and length == 0:
-                continue  # no exceptions of this kind; the offset is ignored
-            if length == 0:
-                raise _fail(where, f"chunk {c}: {name} frame has length 0 (every chunk has one)")
-            if off < streams_start or off + length > size:
-                raise _fail(
-                    where,
-                    f"chunk {c}: {name} frame [{off}, {off + length}) lies outside the stream area "
-                    f"[{streams_start}, {size})",
-                )
-            if off % ALIGNMENT:
-                raise _fail(where, f"chunk {c}: {name} frame offset {off} is not 8-byte aligned")
+    for f, name in enumerate(names):
+        off, length = int(raw[c, 4 + 2 * f]), int(raw[c, 5 + 2 * f])
+        if f >= 2 and length == 0:
+            continue  # no exceptions of this kind; the offset is ignored
+        if length == 0:
+            raise _fail(where, f"chunk {c}: {name} frame has length 0 (every chunk has one)")
+        if off < streams_start or off + length > size:
+            raise _fail(
+                where,
+                f"chunk {c}: {name} frame [{off}, {off + length}) lies outside the stream area "
+                f"[{streams_start}, {size})",
+            )
+        if off % ALIGNMENT:
+            raise _fail(where, f"chunk {c}: {name} frame offset {off} is not 8-byte aligned")
