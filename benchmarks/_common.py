@@ -37,3 +37,25 @@ def machine() -> dict:
         "openmp": _kernels.openmp_enabled(),
         "packages": versions,
     }
+
+
+def median_time(fn, repeats: int, *, warmup: bool = False) -> float:
+    """Median wall seconds of ``repeats`` calls of ``fn`` (after one untimed call if asked)."""
+    import statistics
+    import time
+
+    if warmup:
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def save_figure(fig, path: Path) -> None:
+    """Lay out and write a matplotlib figure, creating its folder."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)

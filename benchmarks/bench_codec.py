@@ -21,7 +21,7 @@ import h5py
 import numpy as np
 import scipy.sparse as sp
 import zstandard
-from _common import machine
+from _common import machine, median_time, save_figure
 
 import deltacells as dc
 from deltacells import _kernels
@@ -29,15 +29,6 @@ from deltacells.codec import DEFAULT_LEVEL
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
-
-
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def anndata_x_sizes(matrix: sp.csr_matrix, workdir: Path) -> dict:
@@ -177,9 +168,7 @@ def plot(results: dict, path: Path) -> None:
     axes[2].set_ylabel("bytes per nonzero")
     axes[2].set_title("zstd level trade-off")
     fig.suptitle(f"deltacells codec on {results['data']} ({results['machine']['cpu']})", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> None:

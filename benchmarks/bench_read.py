@@ -16,9 +16,7 @@ import argparse
 import json
 import shutil
 import socket
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import anndata as ad
@@ -26,23 +24,13 @@ import h5py
 import numpy as np
 import scipy.sparse as sp
 import zarr
-from _common import machine
+from _common import machine, median_time, save_figure
 
 import deltacells as dc
 from deltacells.obscache import ObsCache
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up: imports, OS page cache
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def make_inputs(source: Path, n_cells: int, workdir: Path) -> dict[str, Path]:
@@ -126,17 +114,19 @@ def run_suite(tools: dict, n_cells: int, repeats: int) -> dict:
             inverse[order] = np.arange(len(order))
             return X[random_rows[order]][inverse]
 
-        row["random_4096_unsorted_s"] = median_time(unsorted, repeats)
+        row["random_4096_unsorted_s"] = median_time(unsorted, repeats, warmup=True)
         row["random_4096_sorted_s"] = median_time(
-            lambda open_x=open_x: open_x()[sorted_rows], repeats
+            lambda open_x=open_x: open_x()[sorted_rows], repeats, warmup=True
         )
         row["slice_10000_s"] = median_time(
-            lambda open_x=open_x: open_x()[start : start + 10_000], repeats
+            lambda open_x=open_x: open_x()[start : start + 10_000], repeats, warmup=True
         )
         row["to_memory_s"] = median_time(
-            lambda open_x=open_x: open_x().to_memory(), max(3, repeats // 2)
+            lambda open_x=open_x: open_x().to_memory(), max(3, repeats // 2), warmup=True
         )
-        row["obs_column_s"] = median_time(lambda read_obs=read_obs: read_obs("sample"), repeats)
+        row["obs_column_s"] = median_time(
+            lambda read_obs=read_obs: read_obs("sample"), repeats, warmup=True
+        )
         row["random_4096_unsorted_cells_per_s"] = 4096 / row["random_4096_unsorted_s"]
         row["random_4096_sorted_cells_per_s"] = 4096 / row["random_4096_sorted_s"]
         results[name] = row
@@ -161,7 +151,7 @@ def run_suite(tools: dict, n_cells: int, repeats: int) -> dict:
 
 def opening_cost(path: Path, repeats: int) -> dict:
     """Seconds to open the dataset: the manifest only, whatever the number of tiles."""
-    seconds = median_time(lambda: dc.open_dataset(path), repeats)
+    seconds = median_time(lambda: dc.open_dataset(path), repeats, warmup=True)
     return {"open_s": seconds, "n_tiles": dc.open_dataset(path).manifest.n_tiles}
 
 
@@ -215,7 +205,9 @@ def s3_suite(paths: dict[str, Path], n_cells: int, repeats: int, cache_dir: Path
             rows = np.sort(np.random.default_rng(1).choice(n_cells, 4096, replace=False))
             for name, (open_x, _) in tools.items():
                 counts.update(requests=0, bytes=0)
-                seconds = median_time(lambda open_x=open_x: open_x()[rows], max(3, repeats // 2))
+                seconds = median_time(
+                    lambda open_x=open_x: open_x()[rows], max(3, repeats // 2), warmup=True
+                )
                 per_call = {k: v / (max(3, repeats // 2) + 1) for k, v in counts.items()}
                 result[name] = {
                     "random_4096_sorted_s": seconds,
@@ -255,9 +247,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_title(
         f"Reads from {results['n_cells']:,} cells, local ({results['machine']['cpu']})", fontsize=9
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> None:

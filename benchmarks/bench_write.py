@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import machine
+from _common import machine, save_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
@@ -139,9 +139,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
     fig.suptitle(f"Conversion on {results['machine']['cpu']} ({results['command']})", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> None:
