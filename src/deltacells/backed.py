@@ -151,16 +151,16 @@ class DeltacellsCSRDataset(CSRDataset):
         return self.tiles([index])[0]
 
     def tiles(self, indices: Sequence[int]) -> list[Tile]:
-        """Several tiles; those not cached are fetched concurrently in background threads."""
+        """Several tiles; those not cached are fetched and validated (CRC, structure)
+        concurrently in background threads, whose kernels release the GIL."""
         missing = [t for t in dict.fromkeys(int(t) for t in indices) if t not in self._cache]
         if len(missing) > 1:
-            futures = self.dataset.store.prefetch([tile_name(t) for t in missing])
-            blobs = {t: futures[tile_name(t)] for t in missing}
-        else:
-            blobs = {}
-        for t in missing:
-            blob = blobs[t].result() if t in blobs else None
-            self._remember(t, self.dataset.tile(t, n_threads=self.n_threads, blob=blob))
+            pool = self.dataset.store._pool()
+            futures = [pool.submit(self.dataset.tile, t, n_threads=1) for t in missing]
+            for t, future in zip(missing, futures, strict=True):
+                self._remember(t, future.result())
+        elif missing:
+            self._remember(missing[0], self.dataset.tile(missing[0], n_threads=self.n_threads))
         result = []
         for t in indices:
             tile = self._cache.get(int(t))
