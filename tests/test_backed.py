@@ -145,3 +145,26 @@ def test_pickles_and_reopens(pair):
     assert clone is not backed.X and clone.shape == backed.X.shape
     same(clone[10:20], adata.X[10:20])
     assert clone._cache is not backed.X._cache
+
+
+def _read_in_child(X, rows, queue):
+    queue.put(sp.csr_matrix(X[rows]).toarray().sum())
+
+
+def test_reads_in_a_forked_child_after_the_parent_read(pair):
+    """The parent's I/O threads do not exist in a forked child; the child must not hang."""
+    import multiprocessing
+
+    backed, adata = pair
+    rows = np.array([1, 500, 250, 699])
+    backed.X.dataset.store.prefetch(["manifest.json"])["manifest.json"].result()
+    backed.X[rows]  # the parent has used its thread pool
+    fresh = dc.read_deltacells(backed.X.dataset.store.url, obs=False).X
+    fresh._cache.clear()
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_read_in_child, args=(fresh, rows, queue))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert queue.get(timeout=5) == pytest.approx(adata.X[rows].toarray().sum())

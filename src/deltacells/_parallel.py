@@ -1,5 +1,8 @@
 """Resolve ``n_threads`` the way scikit-learn does.
 
+In a process forked from one that imported deltacells, ``None`` means one thread (see
+:func:`effective_n_threads`).
+
 ``None`` means "as many as OpenMP would use": ``OMP_NUM_THREADS`` when set, otherwise the CPUs
 this process may actually use (its affinity mask and any cgroup CPU quota, so a container limited
 to 2 CPUs on a 64-core host gets 2). A negative count means "all but": ``-1`` is all usable CPUs,
@@ -14,7 +17,20 @@ import operator
 import os
 from pathlib import Path
 
-__all__ = ["effective_n_threads", "usable_cpu_count"]
+__all__ = ["effective_n_threads", "in_forked_child", "usable_cpu_count"]
+
+_forked = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked
+    _forked = True
+    usable_cpu_count.cache_clear()
+
+
+def in_forked_child() -> bool:
+    """Whether this process was forked from one that imported deltacells."""
+    return _forked
 
 
 def _cgroup_cpu_limit() -> float | None:
@@ -70,6 +86,9 @@ def _omp_num_threads() -> int | None:
     return n if n > 0 else None
 
 
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def effective_n_threads(n_threads: int | None = None) -> int:
     """Number of threads to use for ``n_threads``.
 
@@ -94,6 +113,12 @@ def effective_n_threads(n_threads: int | None = None) -> int:
     if n_threads == 0:
         raise ValueError("n_threads=0 is not allowed; use None for the default or a count >= 1")
     if n_threads is None:
+        if _forked:
+            # GNU OpenMP cannot start threads in a child forked from a process that already ran
+            # a parallel region: it hangs. Default to one thread there (e.g. DataLoader workers
+            # under fork); pass n_threads explicitly only if the parent never used OpenMP, or
+            # start workers with spawn.
+            return 1
         env = _omp_num_threads()
         return env if env is not None else usable_cpu_count()
     if n_threads < 0:

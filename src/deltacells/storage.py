@@ -72,6 +72,7 @@ class Store:
         self.storage_options = dict(storage_options or {})
         self.retries, self.backoff, self.io_threads = retries, backoff, io_threads
         self._executor: ThreadPoolExecutor | None = None
+        self._executor_pid = os.getpid()
         if root.startswith("file://"):
             root = root[len("file://") :]
         self.is_local = not _is_url(root)
@@ -155,8 +156,10 @@ class Store:
         return {name: self._pool().submit(self.read_bytes, name) for name in names}
 
     def _pool(self) -> ThreadPoolExecutor:
-        if self._executor is None:
+        # A forked child inherits the executor object but not its threads: make a new one.
+        if self._executor is None or self._executor_pid != os.getpid():
             self._executor = ThreadPoolExecutor(self.io_threads, thread_name_prefix="deltacells-io")
+            self._executor_pid = os.getpid()
         return self._executor
 
     def open(self, name: str):
