@@ -396,3 +396,34 @@ def test_remap_columns_kernel_matches_scipy():
     with pytest.raises(ValueError, match="outside col_map"):
         _kernels.remap_columns(block.indptr.astype(np.int64), block.indices, block.data,
                                col_map[:10], 700)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float32, np.float64])
+def test_permute_columns_in_place_matches_scipy_for_any_thread_count(dtype):
+    from deltacells import _kernels
+
+    rng = np.random.default_rng(12)
+    block = sp.random(300, 3000, density=0.03, format="csr", random_state=rng)
+    block.data = np.ceil(block.data * 9).astype(dtype)
+    block.indices = block.indices.astype(np.int32)
+    col_map = rng.permutation(3000).astype(np.int64)
+    expected = sp.csr_matrix(
+        (block.data.copy(), col_map[block.indices], block.indptr.copy()), shape=block.shape
+    )
+    expected.sort_indices()
+    indptr = block.indptr.astype(np.int64)
+    for n_threads in (1, 2, 3):
+        indices, data = block.indices.copy(), block.data.copy()
+        _kernels.permute_columns(indptr, indices, data, col_map, n_threads)
+        np.testing.assert_array_equal(indices, expected.indices)
+        np.testing.assert_array_equal(data, expected.data)
+    not_a_permutation = col_map.copy()
+    not_a_permutation[block.indices[1]] = col_map[block.indices[0]]  # row 0 collides
+    with pytest.raises(ValueError, match="row 0 to the same place"):
+        _kernels.permute_columns(indptr, block.indices.copy(), block.data.copy(),
+                                 not_a_permutation, 2)  # fmt: skip
+    with pytest.raises(ValueError, match="outside col_map"):
+        short_map = np.arange(10, dtype=np.int64)[::-1].copy()  # columns >= 10 have no place
+        _kernels.permute_columns(indptr, block.indices.copy(), block.data.copy(), short_map, 2)
+    with pytest.raises(ValueError, match="n_out_cols"):
+        _kernels.remap_columns(indptr, block.indices, block.data, col_map, 2000)

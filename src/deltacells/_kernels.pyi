@@ -53,8 +53,15 @@ def encode_chunks(
 def remap_columns(
     indptr: NDArray[np.int64],
     indices: NDArray[np.int32],
-    data: NDArray[np.int32],
+    data: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
     col_map: NDArray[np.int64],
     n_out_cols: int,
     n_threads: int = 1,
-) -> tuple[NDArray[np.int64], NDArray[np.int32], NDArray[np.int32]]: ...
+) -> tuple[NDArray[np.int64], NDArray[np.int32], NDArray[np.generic]]: ...
+def permute_columns(
+    indptr: NDArray[np.int64],
+    indices: NDArray[np.int32],
+    data: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
+    col_map: NDArray[np.int64],
+    n_threads: int = 1,
+) -> None: ...

@@ -14,8 +14,9 @@ gives an error rather than a stray memory access.
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cython.parallel cimport parallel, prange, threadid
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
-from libc.stdlib cimport free, malloc
+from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc
+from libc.string cimport memset
 
 import numpy as np
 
@@ -138,6 +139,43 @@ cdef extern from *:
         return found;
     }
 
+    static inline int dc_ctz64(uint64_t x) {  /* x != 0 */
+    #if defined(__GNUC__)
+        return __builtin_ctzll(x);
+    #else
+        int n = 0;
+        while (!(x & 1)) { x >>= 1; n++; }
+        return n;
+    #endif
+    }
+
+    /* The positions of the set bits of words[lo..hi] in increasing order into out (which
+       needs 3 entries of slack), clearing the words; returns how many. Four positions are
+       written per word without branching (a sparse row sets about one or two bits per word,
+       and a loop per word would mispredict at every exit); only fuller words loop. */
+    static inline int64_t dc_bits_to_positions(uint64_t* words, int64_t lo, int64_t hi,
+                                               int32_t* out) {
+        const uint64_t top = (uint64_t)1 << 63;  /* keeps ctz defined on an empty word */
+        int64_t o = 0;
+        for (int64_t w = lo; w <= hi; w++) {
+            uint64_t w0 = words[w];
+            int32_t base = (int32_t)(w << 6);
+            words[w] = 0;
+            uint64_t w1 = w0 & (w0 - 1), w2 = w1 & (w1 - 1), w3 = w2 & (w2 - 1);
+            uint64_t rest = w3 & (w3 - 1);
+            out[o] = base + dc_ctz64(w0 | top);
+            out[o + 1] = base + dc_ctz64(w1 | top);
+            out[o + 2] = base + dc_ctz64(w2 | top);
+            out[o + 3] = base + dc_ctz64(w3 | top);
+            o += (w0 != 0) + (w1 != 0) + (w2 != 0) + (w3 != 0);
+            while (rest) {
+                out[o++] = base + dc_ctz64(rest);
+                rest &= rest - 1;
+            }
+        }
+        return o;
+    }
+
     static inline void dc_store_fence(void) {
     #if defined(__SSE2__)
         _mm_sfence();
@@ -170,6 +208,8 @@ cdef extern from *:
     int dc_any_zero_planes(const uint8_t* lo, const uint8_t* hi, int64_t n) noexcept nogil
     int dc_planes_to_f32(const uint8_t* lo, const uint8_t* hi, int64_t n, float* out) noexcept nogil
     void dc_store_fence() noexcept nogil
+    int64_t dc_bits_to_positions(uint64_t* words, int64_t lo, int64_t hi,
+                                 int32_t* out) noexcept nogil
 
 ctypedef fused value_t:
     int32_t
@@ -671,17 +711,22 @@ def gather_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
                 int n_threads, object where):
     """Decode the cells ``rows`` (any order, repeats allowed) into one CSR.
 
-    Only the chunks listed in ``group_chunks`` are decompressed. ``order`` lists positions of
-    ``rows`` grouped by chunk: group ``g`` is ``order[group_starts[g]:group_starts[g + 1]]``,
-    all in chunk ``group_chunks[g]``. Output row ``j`` goes to
-    ``out_indptr[j]:out_indptr[j + 1]``.
+    Only the chunks listed in ``group_chunks`` are decompressed, and only the output rows
+    ``order`` lists are written (all or some positions of ``rows``, grouped by chunk): group
+    ``g`` is ``order[group_starts[g]:group_starts[g + 1]]``, all in chunk ``group_chunks[g]``.
+    Output row ``j`` goes to ``out_indptr[j]:out_indptr[j + 1]``.
     """
     cdef Py_ssize_t n_groups = group_chunks.shape[0]
     cdef int64_t n_out = out_indptr[out_indptr.shape[0] - 1]
     if indices.shape[0] < n_out or values.shape[0] < n_out:
         raise ValueError("output buffers are shorter than the gathered nonzeros")
-    if group_starts.shape[0] != n_groups + 1 or order.shape[0] != rows.shape[0]:
-        raise ValueError("group_starts / order do not match group_chunks / rows")
+    cdef Py_ssize_t k
+    if (group_starts.shape[0] != n_groups + 1 or order.shape[0] > rows.shape[0]
+            or out_indptr.shape[0] != rows.shape[0] + 1):
+        raise ValueError("group_starts / order / out_indptr do not match group_chunks / rows")
+    for k in range(order.shape[0]):
+        if order[k] < 0 or order[k] >= rows.shape[0]:
+            raise ValueError(f"order[{k}] = {order[k]} is not a position in rows")
     if n_groups == 0:
         return
     status = np.zeros(n_groups, dtype=np.int32)
@@ -931,128 +976,165 @@ def encode_chunks(const int64_t[::1] indptr, const int32_t[::1] indices,
 
 
 # ---------------------------------------------------------------------------------------------
-# Column permutation (writer)
+# Column permutation (writer: gene order and joins; reader: back to the source gene order)
 
 
-cdef void _sort_pairs(uint32_t* keys, int32_t* vals, uint32_t* tmp_keys, int32_t* tmp_vals,
-                      int64_t n, int passes) noexcept nogil:
-    """Sort ``n`` (key, value) pairs by key: insertion sort when short, else LSD radix sort
-    on bytes (``passes`` of them), leaving the result in ``keys``/``vals``."""
-    cdef int64_t i, j, counts[256], total, digit_count
-    cdef uint32_t key, shift
-    cdef int32_t val
-    cdef int pass_
-    cdef uint32_t* src_k = keys
-    cdef int32_t* src_v = vals
-    cdef uint32_t* dst_k = tmp_keys
-    cdef int32_t* dst_v = tmp_vals
-    cdef uint32_t* swap_k
-    cdef int32_t* swap_v
-    if n <= 48:
-        for i in range(1, n):
-            key = keys[i]
-            val = vals[i]
-            j = i - 1
-            while j >= 0 and keys[j] > key:
-                keys[j + 1] = keys[j]
-                vals[j + 1] = vals[j]
-                j -= 1
-            keys[j + 1] = key
-            vals[j + 1] = val
+cdef inline int _row_to_mapped_order(const int32_t* idx, const value_t* val, int64_t n,
+                                     const int32_t* col_map, uint32_t n_map, uint64_t* bits,
+                                     value_t* dense, int32_t* cols, int32_t* out_idx,
+                                     value_t* out_val, int64_t* kept) noexcept nogil:
+    """Move one row's columns through ``col_map`` (-1 drops) and write them sorted.
+
+    The row is scattered into a per-thread bitmap of output columns (plus a dense value
+    array), then read back in bit order into ``cols``: linear in nnz plus one word per 64
+    columns spanned, and it works in place (``out_* == idx/val``) because every input is read
+    first. ``col_map`` values must be < the bitmap's columns (the caller checks once).
+    Returns E_CELL_RANGE for a column outside col_map, E_ZERO_GAP for two columns mapped to
+    one (found as fewer bits than columns kept).
+    """
+    cdef int64_t i, c, w, lo_word = INT64_MAX, hi_word = -1, o, n_kept = 0
+    cdef uint32_t outside = 0
+    for i in range(n):  # checked up front, in a loop the compiler vectorizes
+        outside |= <uint32_t>idx[i] >= n_map
+    if outside:
+        return E_CELL_RANGE
+    for i in range(n):
+        c = col_map[idx[i]]
+        if c < 0:
+            continue
+        n_kept += 1
+        w = c >> 6
+        bits[w] |= (<uint64_t>1) << (c & 63)
+        dense[c] = val[i]
+        lo_word = min(lo_word, w)
+        hi_word = max(hi_word, w)
+    o = dc_bits_to_positions(bits, lo_word, hi_word, cols)
+    if o != n_kept:
+        return E_ZERO_GAP
+    for i in range(o):
+        out_idx[i] = cols[i]
+        out_val[i] = dense[cols[i]]
+    kept[0] = o
+    return OK
+
+
+cdef enum:
+    ROWS_PER_BLOCK = 256
+
+
+cdef void _remap_rows(const int64_t* indptr, const int32_t* indices, const value_t* data,
+                      const int32_t* col_map, int64_t n_map, int64_t n_out_cols,
+                      Py_ssize_t n_rows, const int64_t* out_indptr, int32_t* out_indices,
+                      value_t* out_data, int n_threads, int32_t* status,
+                      int64_t* bad_row) noexcept nogil:
+    """``_row_to_mapped_order`` over blocks of ``ROWS_PER_BLOCK`` rows in parallel, with
+    per-thread scratch; block ``b`` stops at its first bad row and records it in
+    ``status[b]`` / ``bad_row[b]``."""
+    cdef Py_ssize_t block, n_blocks = (n_rows + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
+    cdef int64_t r, kept
+    cdef int st
+    cdef uint64_t* bits
+    cdef value_t* dense
+    cdef int32_t* cols
+    with parallel(num_threads=n_threads):
+        bits = <uint64_t*>calloc((n_out_cols >> 6) + 1, sizeof(uint64_t))
+        dense = <value_t*>malloc((n_out_cols + 1) * sizeof(value_t))
+        cols = <int32_t*>malloc((n_out_cols + 4) * sizeof(int32_t))
+        for block in prange(n_blocks, schedule="dynamic"):
+            if bits == NULL or dense == NULL or cols == NULL:
+                status[block] = E_NOMEM
+                continue
+            for r in range(block * ROWS_PER_BLOCK, min(n_rows, (block + 1) * ROWS_PER_BLOCK)):
+                st = _row_to_mapped_order(
+                    indices + indptr[r], data + indptr[r], indptr[r + 1] - indptr[r], col_map,
+                    <uint32_t>n_map, bits, dense, cols, out_indices + out_indptr[r],
+                    out_data + out_indptr[r], &kept)
+                if st == OK and kept != out_indptr[r + 1] - out_indptr[r]:
+                    st = E_CELL_RANGE
+                if st != OK:
+                    status[block] = st
+                    bad_row[block] = r
+                    # a failed row may leave bits set: clear them for the thread's next block
+                    memset(bits, 0, ((n_out_cols >> 6) + 1) * sizeof(uint64_t))
+                    break
+        free(bits)
+        free(dense)
+        free(cols)
+
+
+def _run_remap(const int64_t[::1] indptr, const int32_t[::1] indices, const value_t[::1] data,
+               const int64_t[::1] col_map, int64_t n_out_cols, const int64_t[::1] out_indptr,
+               int32_t[::1] out_indices, value_t[::1] out_data, int n_threads):
+    """Run ``_remap_rows`` and raise for the lowest failing row (thread-count independent)."""
+    cdef Py_ssize_t n_rows = indptr.shape[0] - 1
+    if n_rows <= 0 or indptr[n_rows] == 0:
         return
-    for pass_ in range(passes):
-        shift = 8 * pass_
-        for i in range(256):
-            counts[i] = 0
-        for i in range(n):
-            counts[(src_k[i] >> shift) & 0xFF] += 1
-        total = 0
-        for i in range(256):
-            digit_count = counts[i]
-            counts[i] = total
-            total += digit_count
-        for i in range(n):
-            j = counts[(src_k[i] >> shift) & 0xFF]
-            counts[(src_k[i] >> shift) & 0xFF] = j + 1
-            dst_k[j] = src_k[i]
-            dst_v[j] = src_v[i]
-        swap_k = src_k
-        src_k = dst_k
-        dst_k = swap_k
-        swap_v = src_v
-        src_v = dst_v
-        dst_v = swap_v
-    if src_k != keys:
-        for i in range(n):
-            keys[i] = src_k[i]
-            vals[i] = src_v[i]
+    col_map32 = np.asarray(col_map).astype(np.int32)
+    if col_map.shape[0] >= 2**31 or (col_map.shape[0] and np.asarray(col_map).max() >= n_out_cols):
+        raise ValueError(f"col_map sends a column to n_out_cols = {n_out_cols} or beyond")
+    cdef const int32_t[::1] col_map_v = col_map32
+    n_blocks = (n_rows + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
+    status = np.zeros(n_blocks, dtype=np.int32)
+    bad_row = np.zeros(n_blocks, dtype=np.int64)
+    cdef int32_t[::1] status_v = status
+    cdef int64_t[::1] bad_row_v = bad_row
+    cdef int32_t* idx_out = &out_indices[0] if out_indices.shape[0] else NULL
+    cdef value_t* val_out = &out_data[0] if out_data.shape[0] else NULL
+    with nogil:
+        _remap_rows(&indptr[0], &indices[0], &data[0], &col_map_v[0], col_map.shape[0],
+                    n_out_cols, n_rows, &out_indptr[0], idx_out, val_out, n_threads,
+                    &status_v[0], &bad_row_v[0])
+    failed = np.flatnonzero(status)
+    if failed.size == 0:
+        return
+    st, row = status[failed[0]], bad_row[failed[0]]
+    if st == E_NOMEM:
+        raise MemoryError("no memory for the column permutation scratch")
+    if st == E_ZERO_GAP:
+        raise ValueError(f"col_map sends two columns of row {row} to the same place")
+    raise ValueError(f"row {row} has a column index outside col_map or a dropped column")
 
 
 def remap_columns(const int64_t[::1] indptr, const int32_t[::1] indices,
-                  const int32_t[::1] data, const int64_t[::1] col_map, int64_t n_out_cols,
+                  const value_t[::1] data, const int64_t[::1] col_map, int64_t n_out_cols,
                   int n_threads=1):
     """Move the columns of a canonical CSR block to ``col_map[j]`` (``-1``: drop the column).
 
-    Each row's moved columns are sorted again with a byte-wise radix sort (two passes when
-    there are at most 65,536 columns) in buffers that stay in the L1 cache; rows run in
-    parallel on ``n_threads``. ``data`` is any 4-byte payload (int32 counts, float32 bits or
-    positions), carried along unchanged.
+    Each row comes out sorted; rows run in parallel on ``n_threads``. The values keep their
+    dtype (int32, float32 or float64). ``col_map`` must not send two kept columns to one place.
 
     Returns
     -------
     tuple
-        ``(indptr, indices, data)`` as ``int64``, ``int32``, ``int32`` arrays.
+        ``(indptr, indices, data)``: ``int64``, ``int32`` and ``data``'s dtype.
     """
     cdef Py_ssize_t n_rows = indptr.shape[0] - 1
     cdef int64_t nnz = indptr[n_rows] if n_rows >= 0 else 0
-    cdef int64_t r, i, c, o, kept, widest = 0
-    cdef int64_t n_map = col_map.shape[0]
-    cdef int passes = 1
-    while passes < 4 and (n_out_cols - 1) >> (8 * passes) > 0:
-        passes += 1
-    for i in range(nnz):
-        if indices[i] < 0 or indices[i] >= n_map:
-            raise ValueError(f"column index {indices[i]} outside col_map")
+    cdef int64_t i, r, kept, n_map = col_map.shape[0]
+    if n_rows < 0 or indices.shape[0] < nnz or data.shape[0] < nnz:
+        raise ValueError("indptr does not match indices / data")
     out_indptr = np.zeros(n_rows + 1, dtype=np.int64)
     cdef int64_t[::1] out_indptr_v = out_indptr
     with nogil:
         for r in range(n_rows):
             kept = 0
             for i in range(indptr[r], indptr[r + 1]):
-                kept = kept + (col_map[indices[i]] >= 0)
+                if indices[i] >= 0 and indices[i] < n_map:
+                    kept = kept + (col_map[indices[i]] >= 0)
             out_indptr_v[r + 1] = out_indptr_v[r] + kept
-            widest = max(widest, kept)
-    kept = out_indptr_v[n_rows]
-    out_indices = np.empty(kept, dtype=np.int32)
-    out_data = np.empty(kept, dtype=np.int32)
-    cdef int32_t[::1] out_indices_v = out_indices
-    cdef int32_t[::1] out_data_v = out_data
-    cdef uint32_t* keys
-    cdef int32_t* vals
-    cdef int failed = 0
-    # Rows are independent once out_indptr is known: threads take rows, each with its own
-    # scratch (two key and two value buffers of the widest row).
-    with nogil, parallel(num_threads=n_threads):
-        keys = <uint32_t*>malloc((2 * widest + 2) * sizeof(uint32_t))
-        vals = <int32_t*>malloc((2 * widest + 2) * sizeof(int32_t))
-        for r in prange(n_rows, schedule="static"):
-            if keys == NULL or vals == NULL:
-                failed += 1
-                continue
-            o = 0
-            for i in range(indptr[r], indptr[r + 1]):
-                c = col_map[indices[i]]
-                if c >= 0:
-                    keys[o] = <uint32_t>c
-                    vals[o] = data[i]
-                    o = o + 1
-            _sort_pairs(keys, vals, keys + widest + 1, vals + widest + 1, o, passes)
-            c = out_indptr_v[r]
-            for i in range(o):
-                out_indices_v[c + i] = <int32_t>keys[i]
-                out_data_v[c + i] = vals[i]
-        free(keys)
-        free(vals)
-    if failed:
-        raise MemoryError("no memory for the column sort scratch")
+    out_indices = np.empty(out_indptr_v[n_rows], dtype=np.int32)
+    out_data = np.empty(out_indptr_v[n_rows], dtype=np.asarray(data).dtype)
+    _run_remap(indptr, indices, data, col_map, n_out_cols, out_indptr, out_indices, out_data,
+               n_threads)
     return out_indptr, out_indices, out_data
+
+
+def permute_columns(const int64_t[::1] indptr, int32_t[::1] indices, value_t[::1] data,
+                    const int64_t[::1] col_map, int n_threads=1):
+    """Renumber the columns of a canonical CSR matrix in place through the permutation
+    ``col_map`` and sort every row again (rows in parallel on ``n_threads``)."""
+    cdef Py_ssize_t n_rows = indptr.shape[0] - 1
+    if n_rows < 0 or indices.shape[0] < indptr[n_rows] or data.shape[0] < indptr[n_rows]:
+        raise ValueError("indptr does not match indices / data")
+    _run_remap(indptr, indices, data, col_map, col_map.shape[0], indptr, indices, data,
+               n_threads)

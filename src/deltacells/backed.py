@@ -179,38 +179,43 @@ class DeltacellsCSRDataset(CSRDataset):
             self._cached_bytes -= old.nbytes
 
     def _present(self, matrix: sp.csr_matrix) -> sp.csr_matrix:
-        """Columns in the requested order (source order moves and re-sorts them)."""
-        if self._to_source is None:
-            return matrix
-        threads = effective_n_threads(self.n_threads)
-        indptr, indices, data = _permute(matrix, self._to_source, self.shape[1], threads)
-        out = sp.csr_matrix((data, indices, indptr), shape=matrix.shape, copy=False)
-        out.has_canonical_format = True
-        return out
+        """Columns in the requested order: source order renumbers and re-sorts every row, in
+        place (``matrix`` is always freshly decoded)."""
+        if self._to_source is not None and matrix.nnz:
+            _kernels.permute_columns(matrix.indptr.astype(np.int64, copy=False), matrix.indices,
+                                     matrix.data, self._to_source,
+                                     effective_n_threads(self.n_threads))  # fmt: skip
+        return matrix
 
     # -- reading -------------------------------------------------------------------------------
 
     def get_rows(self, rows: np.ndarray) -> sp.csr_matrix:
-        """Cells ``rows`` (int64 positions, any order, repeats allowed) as CSR."""
+        """Cells ``rows`` (int64 positions, any order, repeats allowed) as CSR.
+
+        Every touched tile decodes its rows straight into their places in one output.
+        """
         n_genes = self.shape[1]
         if rows.size == 0:
             return sp.csr_matrix((0, n_genes), dtype=self.dtype)
         which = np.searchsorted(self._limits, rows, side="right")
-        touched = np.unique(which)
-        pieces, positions = [], []
-        for t, tile in zip(touched, self.tiles(touched.tolist()), strict=True):
-            mine = np.flatnonzero(which == t)
-            local = rows[mine] - self._starts[t]
-            pieces.append(tile.gather(local, self.dtype, n_threads=self.n_threads))
-            positions.append(mine)
-        if len(pieces) == 1:
-            stacked = pieces[0]
-        else:
-            stacked = sp.vstack(pieces, format="csr")
-            order = np.concatenate(positions)
-            if np.any(np.diff(order) < 0):
-                stacked = stacked[np.argsort(order, kind="stable")]
-        return self._present(sp.csr_matrix(stacked))
+        by_tile = np.argsort(which, kind="stable")
+        touched, first = np.unique(which[by_tile], return_index=True)
+        groups = np.split(by_tile, first[1:])
+        tiles = self.tiles(touched.tolist())
+        local = rows - self._starts[which]
+        lengths = np.empty(len(rows), dtype=np.int64)
+        for tile, mine in zip(tiles, groups, strict=True):
+            lengths[mine] = tile.row_lengths(local[mine])
+        indptr = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=indptr[1:])
+        indices = empty_output(int(indptr[-1]), np.int32)
+        values = empty_output(int(indptr[-1]), self.dtype)
+        for tile, mine in zip(tiles, groups, strict=True):
+            tile.gather_into(local, indptr, indices, values, positions=mine,
+                             n_threads=self.n_threads)  # fmt: skip
+        matrix = sp.csr_matrix((values, indices, indptr), shape=(len(rows), n_genes), copy=False)
+        matrix.has_canonical_format = True
+        return self._present(matrix)
 
     def __getitem__(self, index: Any) -> sp.csr_matrix | float:
         """Rows and columns the way scipy and anndata index a CSR matrix."""
@@ -310,26 +315,6 @@ def _register_with_anndata() -> None:
     except ImportError:  # pragma: no cover - anndata internals changed
         return
     to_memory.register(DeltacellsCSRDataset)(lambda x, *, copy=False: x.to_memory())
-
-
-def _permute(matrix: sp.csr_matrix, col_map: np.ndarray, n_cols: int, n_threads: int):
-    """Columns moved by ``col_map`` with rows re-sorted, values kept in their dtype."""
-    indptr = matrix.indptr.astype(np.int64)
-    indices = np.ascontiguousarray(matrix.indices, dtype=np.int32)
-    if matrix.data.dtype.itemsize == 4:
-        # int32 or float32 values ride along as their 4-byte patterns.
-        out = _kernels.remap_columns(indptr, indices, matrix.data.view(np.int32), col_map, n_cols,
-                                     n_threads)  # fmt: skip
-        return out[0], out[1], out[2].view(matrix.data.dtype)
-    if matrix.nnz >= 2**31:  # pragma: no cover - positions must fit int32
-        out = sp.csr_matrix((matrix.data, col_map[matrix.indices], indptr), shape=matrix.shape)
-        out.sort_indices()
-        return out.indptr, out.indices, out.data
-    positions = np.arange(matrix.nnz, dtype=np.int32)
-    new_indptr, new_indices, moved = _kernels.remap_columns(
-        indptr, indices, positions, col_map, n_cols, n_threads
-    )
-    return new_indptr, new_indices, matrix.data[moved]
 
 
 _register_with_anndata()

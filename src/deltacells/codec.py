@@ -464,6 +464,58 @@ class Tile:
         self.decode_into(indices, values, n_threads=n_threads)
         return _csr(values[: self.nnz], indices[: self.nnz], self.layout.indptr.copy(), self.shape)
 
+    def row_lengths(self, rows: np.ndarray) -> np.ndarray:
+        """Nonzeros of each cell in ``rows`` (int64 positions within the tile)."""
+        indptr = self.layout.indptr
+        return indptr[rows + 1] - indptr[rows]
+
+    def gather_into(
+        self,
+        rows: np.ndarray,
+        out_indptr: np.ndarray,
+        indices: np.ndarray,
+        values: np.ndarray,
+        *,
+        positions: np.ndarray | None = None,
+        n_threads: int | None = None,
+    ) -> None:
+        """Decode cells into given rows of a CSR being assembled (by one or several tiles).
+
+        Parameters
+        ----------
+        rows
+            int64 cell positions within this tile (validated by the caller, non-negative).
+        out_indptr
+            int64 ``indptr`` of the output, ``len(rows) + 1`` entries; output row ``j`` is
+            ``rows[j]`` and must have room for exactly that cell's nonzeros.
+        indices, values
+            The output's ``int32`` indices and values buffers.
+        positions
+            Which output rows this tile writes (default: all); the rest are left alone.
+        n_threads
+            Decoding threads; ``None`` resolves like scikit-learn.
+        """
+        chosen = np.arange(len(rows), dtype=np.int64) if positions is None else positions
+        chunk_of_row = np.searchsorted(self.layout.chunks[:, CELL_HI], rows[chosen], side="right")
+        by_chunk = np.argsort(chunk_of_row, kind="stable")
+        group_chunks, group_starts = np.unique(chunk_of_row[by_chunk], return_index=True)
+        _kernels.gather_into(
+            self._buf,
+            self.layout.chunks,
+            self.layout.indptr,
+            self._exceptions,
+            self.layout.n_genes,
+            rows,
+            np.ascontiguousarray(chosen[by_chunk], dtype=np.int64),
+            group_chunks.astype(np.int64),
+            np.append(group_starts, len(chosen)).astype(np.int64),
+            out_indptr,
+            indices,
+            values,
+            effective_n_threads(n_threads),
+            self.name,
+        )
+
     def gather(
         self,
         rows: ArrayLike,
@@ -497,33 +549,12 @@ class Tile:
         if rows.size and (rows.min() < -n_cells or rows.max() >= n_cells):
             raise IndexError(f"row index out of range for a tile of {n_cells} cells")
         rows = np.where(rows < 0, rows + n_cells, rows)
-        tile_indptr = self.layout.indptr
-        lengths = tile_indptr[rows + 1] - tile_indptr[rows]
         out_indptr = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=out_indptr[1:])
+        np.cumsum(self.row_lengths(rows), out=out_indptr[1:])
         nnz = int(out_indptr[-1])
         indices = empty_output(nnz, np.int32)
         values = empty_output(nnz, dtype)
-        chunk_of_row = np.searchsorted(self.layout.chunks[:, CELL_HI], rows, side="right")
-        order = np.argsort(chunk_of_row, kind="stable").astype(np.int64)
-        group_chunks, group_starts = np.unique(chunk_of_row[order], return_index=True)
-        group_starts = np.append(group_starts, len(rows)).astype(np.int64)
-        _kernels.gather_into(
-            self._buf,
-            self.layout.chunks,
-            tile_indptr,
-            self._exceptions,
-            self.layout.n_genes,
-            rows,
-            order,
-            group_chunks.astype(np.int64),
-            group_starts,
-            out_indptr,
-            indices,
-            values,
-            effective_n_threads(n_threads),
-            self.name,
-        )
+        self.gather_into(rows, out_indptr, indices, values, n_threads=n_threads)
         return _csr(values, indices, out_indptr, (len(rows), self.layout.n_genes))
 
     def chunk_nnz(self) -> np.ndarray:
