@@ -151,16 +151,18 @@ class DeltacellsCSRDataset(CSRDataset):
         return self.tiles([index])[0]
 
     def tiles(self, indices: Sequence[int]) -> list[Tile]:
-        """Several tiles; those not cached are fetched and validated (CRC, structure)
-        concurrently in background threads, whose kernels release the GIL."""
+        """Several tiles; those not cached are fetched (from remote stores concurrently, in
+        background threads) and validated (CRC, structure) as they arrive, each with all
+        decoding threads."""
         missing = [t for t in dict.fromkeys(int(t) for t in indices) if t not in self._cache]
-        if len(missing) > 1:
-            pool = self.dataset.store._pool()
-            futures = [pool.submit(self.dataset.tile, t, n_threads=1) for t in missing]
-            for t, future in zip(missing, futures, strict=True):
-                self._remember(t, future.result())
-        elif missing:
-            self._remember(missing[0], self.dataset.tile(missing[0], n_threads=self.n_threads))
+        if len(missing) > 1 and not self.dataset.store.is_local:
+            futures = self.dataset.store.prefetch([tile_name(t) for t in missing])
+            for t, future in zip(missing, futures.values(), strict=True):
+                blob = future.result()
+                self._remember(t, self.dataset.tile(t, n_threads=self.n_threads, blob=blob))
+        else:  # local reads take a fraction of the validation: threads would only contend
+            for t in missing:
+                self._remember(t, self.dataset.tile(t, n_threads=self.n_threads))
         result = []
         for t in indices:
             tile = self._cache.get(int(t))
@@ -284,14 +286,18 @@ class DeltacellsCSRDataset(CSRDataset):
         values = empty_output(nnz, self.dtype)
         indptr = np.zeros(m.n_cells + 1, dtype=np.int64)
         offset = 0
-        window = 4  # tiles fetched ahead while the current one decodes
-        futures = self.dataset.store.prefetch([tile_name(t) for t in range(min(window, m.n_tiles))])
+        store = self.dataset.store
+        # Remote tiles are fetched a few ahead while the current one decodes; local reads are
+        # quick next to decoding and would only contend with it for the cores.
+        window = 0 if store.is_local else 4
+        futures = store.prefetch([tile_name(t) for t in range(min(window, m.n_tiles))])
         for t in range(m.n_tiles):
-            if t + window < m.n_tiles:
-                futures |= self.dataset.store.prefetch([tile_name(t + window)])
-            cached = self._cache.get(t)
-            blob = futures.pop(tile_name(t)).result()
-            tile = cached or self.dataset.tile(t, n_threads=self.n_threads, blob=blob)
+            if window and t + window < m.n_tiles:
+                futures |= store.prefetch([tile_name(t + window)])
+            tile = self._cache.get(t)
+            if tile is None:
+                blob = futures.pop(tile_name(t)).result() if window else None
+                tile = self.dataset.tile(t, n_threads=self.n_threads, blob=blob)
             end = offset + tile.nnz
             tile.decode_into(indices[offset:end], values[offset:end], n_threads=self.n_threads)
             start = int(self._starts[t])

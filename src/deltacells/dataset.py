@@ -59,11 +59,11 @@ class Dataset:
 
     # -- tiles ---------------------------------------------------------------------------------
 
-    def tile_blob(self, index: int) -> bytes:
-        """The bytes of tile ``index``, checked against the manifest's size."""
-        return self._checked_blob(index, self.store.read_bytes(tile_name(index)))
+    def tile_blob(self, index: int) -> np.ndarray:
+        """The bytes of tile ``index`` (``uint8``), checked against the manifest's size."""
+        return self._checked_blob(index, self.store.read_buffer(tile_name(index)))
 
-    def _checked_blob(self, index: int, blob: bytes) -> bytes:
+    def _checked_blob(self, index: int, blob: Any) -> Any:
         if len(blob) != self.manifest.tile_bytes[index]:
             raise FormatError(
                 f"{self.store.describe(tile_name(index))}: {len(blob)} bytes, the manifest says "

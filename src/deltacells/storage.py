@@ -15,6 +15,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+
 from deltacells.format import FormatError
 
 __all__ = ["StorageError", "Store", "open_store"]
@@ -138,6 +141,31 @@ class Store:
             return self._retrying("read", name, lambda: Path(self._path(name)).read_bytes())
         return self._retrying("read", name, lambda: self._fs.cat_file(self._path(name)))
 
+    def read_buffer(self, name: str) -> np.ndarray:
+        """The whole object ``name`` as a ``uint8`` array.
+
+        Local files are read into memory from pyarrow's pool: large reads into fresh
+        ``bytes`` cost a page fault per 4 KiB, about three quarters of the time of a tile read.
+        """
+        if not self.is_local:
+            return np.frombuffer(self.read_bytes(name), dtype=np.uint8)
+
+        def read() -> np.ndarray:
+            with open(self._path(name), "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    return np.zeros(0, dtype=np.uint8)
+                out = np.frombuffer(pa.allocate_buffer(size), dtype=np.uint8)
+                got = 0
+                while got < size:  # readinto may return less than asked for
+                    n = f.readinto(memoryview(out)[got:])
+                    if not n:
+                        break
+                    got += n
+                return out[:got]
+
+        return self._retrying("read", name, read)
+
     def read_range(self, name: str, start: int, stop: int) -> bytes:
         """Bytes ``start:stop`` of object ``name``."""
         if self.is_local:
@@ -152,8 +180,9 @@ class Store:
         )
 
     def prefetch(self, names: list[str]) -> dict[str, Future]:
-        """Start reading ``names`` in background threads; returns a future per name."""
-        return {name: self._pool().submit(self.read_bytes, name) for name in names}
+        """Start reading ``names`` (as :meth:`read_buffer`) in background threads; returns a
+        future per name."""
+        return {name: self._pool().submit(self.read_buffer, name) for name in names}
 
     def _pool(self) -> ThreadPoolExecutor:
         # A forked child inherits the executor object but not its threads: make a new one.
