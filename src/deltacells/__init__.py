@@ -2,6 +2,7 @@
 
 Tiles: :func:`encode_tile`, :func:`decode_tile`, :class:`Tile`. Datasets:
 :func:`write_deltacells`, :func:`open_dataset`, :func:`read_deltacells` (a lazy AnnData).
+Training: :class:`Loader`.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -10,6 +11,7 @@ from deltacells.backed import DeltacellsCSRDataset, read_deltacells
 from deltacells.codec import DEFAULT_LEVEL, CountError, Tile, decode_tile, encode_tile
 from deltacells.dataset import Dataset, open_dataset
 from deltacells.format import FormatError
+from deltacells.loader import Batch, Loader, TorchIterableDataset
 from deltacells.writer import write_deltacells
 
 try:
@@ -19,11 +21,14 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "DEFAULT_LEVEL",
+    "Batch",
     "CountError",
     "Dataset",
     "DeltacellsCSRDataset",
     "FormatError",
+    "Loader",
     "Tile",
+    "TorchIterableDataset",
     "__version__",
     "decode_tile",
     "encode_tile",

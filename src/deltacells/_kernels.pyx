@@ -16,7 +16,9 @@ from cpython.bytes cimport PyBytes_FromStringAndSize
 from cython.parallel cimport parallel, prange, threadid
 from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc
-from libc.string cimport memset
+from cython cimport floating
+from libc.math cimport log1p as c_log1p
+from libc.string cimport memcpy, memset
 
 import numpy as np
 
@@ -1138,3 +1140,124 @@ def permute_columns(const int64_t[::1] indptr, int32_t[::1] indices, value_t[::1
         raise ValueError("indptr does not match indices / data")
     _run_remap(indptr, indices, data, col_map, col_map.shape[0], indptr, indices, data,
                n_threads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Minibatches (loader): rows taken from decoded tiles, optional per-cell normalisation
+
+
+def take_rows_into(const int64_t[::1] indptr, const int32_t[::1] indices,
+                   const value_t[::1] data, const int64_t[::1] rows,
+                   const int64_t[::1] positions, const int64_t[::1] out_indptr,
+                   int32_t[::1] out_indices, value_t[::1] out_data, object col_map=None,
+                   int n_threads=1):
+    """Copy rows of a CSR matrix into given rows of another, optionally moving columns.
+
+    Output row ``j = positions[k]`` receives input row ``rows[j]`` at
+    ``out_indptr[j]:out_indptr[j + 1]``, which must be exactly as long as what it receives.
+    With ``col_map`` (int64, -1 drops a column) every row is renumbered and sorted again as in
+    :func:`remap_columns`; rows run in parallel on ``n_threads``.
+    """
+    cdef Py_ssize_t n_in = indptr.shape[0] - 1, n_pos = positions.shape[0], k
+    cdef int64_t j, r, length, kept, n_map = 0, n_cols = 0
+    cdef int32_t* idx_out = &out_indices[0] if out_indices.shape[0] else NULL
+    cdef value_t* val_out = &out_data[0] if out_data.shape[0] else NULL
+    cdef const int32_t* map_p = NULL
+    cdef const int32_t[::1] map_v
+    if out_indptr.shape[0] != rows.shape[0] + 1:
+        raise ValueError("out_indptr must have one entry more than rows")
+    for k in range(n_pos):
+        j = positions[k]
+        if j < 0 or j >= rows.shape[0] or rows[j] < 0 or rows[j] >= n_in:
+            raise ValueError(f"positions[{k}] or the row it names is out of range")
+        if out_indptr[j] < 0 or out_indptr[j + 1] > out_indices.shape[0]:
+            raise ValueError(f"output row {j} lies outside the output buffers")
+        length = indptr[rows[j] + 1] - indptr[rows[j]]
+        if col_map is None and out_indptr[j + 1] - out_indptr[j] != length:
+            raise ValueError(f"output row {j} does not have the length of input row {rows[j]}")
+    if out_data.shape[0] < out_indices.shape[0]:
+        raise ValueError("out_data is shorter than out_indices")
+    if col_map is not None:
+        col_map = np.asarray(col_map, dtype=np.int64)
+        n_map = col_map.shape[0]
+        if n_map == 0:
+            raise ValueError("col_map is empty")
+        n_cols = int(col_map.max()) + 1
+        map_v = col_map.astype(np.int32)
+        map_p = &map_v[0]
+    status = np.zeros(max(n_pos, 1), dtype=np.int32)
+    cdef int32_t[::1] status_v = status
+    cdef uint64_t* bits
+    cdef value_t* dense
+    cdef int32_t* cols
+    if n_pos == 0:
+        return
+    with nogil, parallel(num_threads=n_threads):
+        bits = <uint64_t*>calloc((n_cols >> 6) + 1, sizeof(uint64_t))
+        dense = <value_t*>malloc((n_cols + 1) * sizeof(value_t))
+        cols = <int32_t*>malloc((n_cols + 4) * sizeof(int32_t))
+        for k in prange(n_pos, schedule="dynamic", chunksize=64):
+            j = positions[k]
+            r = rows[j]
+            length = indptr[r + 1] - indptr[r]
+            if map_p == NULL:
+                memcpy(idx_out + out_indptr[j], &indices[indptr[r]], length * sizeof(int32_t))
+                memcpy(val_out + out_indptr[j], &data[indptr[r]], length * sizeof(value_t))
+            elif bits == NULL or dense == NULL or cols == NULL:
+                status_v[k] = E_NOMEM
+            else:
+                status_v[k] = _row_to_mapped_order(
+                    &indices[indptr[r]], &data[indptr[r]], length, map_p, <uint32_t>n_map,
+                    bits, dense, cols, idx_out + out_indptr[j], val_out + out_indptr[j], &kept)
+                if status_v[k] == OK and kept != out_indptr[j + 1] - out_indptr[j]:
+                    status_v[k] = E_CELL_RANGE
+                if status_v[k] != OK:
+                    memset(bits, 0, ((n_cols >> 6) + 1) * sizeof(uint64_t))
+        free(bits)
+        free(dense)
+        free(cols)
+    failed = np.flatnonzero(status)
+    if failed.size:
+        if status[failed[0]] == E_NOMEM:
+            raise MemoryError("no memory for the column scratch")
+        raise ValueError(f"row {rows[positions[failed[0]]]}: columns outside col_map, two "
+                         "mapped to one place, or an output row of the wrong length")
+
+
+def normalize_rows(const int64_t[::1] indptr, floating[::1] data, const double[::1] totals,
+                   double target_sum, bint log1p, int n_threads=1):
+    """In place, per row ``r``: ``x * target_sum / totals[r]`` (rows with a total of 0 are
+    left alone, as scanpy's ``normalize_total`` does; ``target_sum <= 0`` scales nothing),
+    then ``log1p(x)`` if asked; rows run in parallel. Arithmetic in float64, stored in
+    ``data``'s dtype."""
+    cdef Py_ssize_t n_rows = indptr.shape[0] - 1, r
+    cdef int64_t i
+    cdef double scale
+    if totals.shape[0] != n_rows or (n_rows > 0 and data.shape[0] < indptr[n_rows]):
+        raise ValueError("totals / data do not match indptr")
+    with nogil:
+        for r in prange(n_rows, num_threads=n_threads, schedule="static"):
+            scale = target_sum / totals[r] if totals[r] > 0 and target_sum > 0 else 1.0
+            for i in range(indptr[r], indptr[r + 1]):
+                if log1p:
+                    data[i] = <floating>c_log1p(data[i] * scale)
+                else:
+                    data[i] = <floating>(data[i] * scale)
+
+
+def row_sums(const int64_t[::1] indptr, const value_t[::1] data, int n_threads=1):
+    """Per-row sums of a CSR matrix's values, in float64 (exact for counts)."""
+    cdef Py_ssize_t n_rows = indptr.shape[0] - 1, r
+    cdef int64_t i
+    cdef double total
+    if n_rows < 0 or (n_rows > 0 and data.shape[0] < indptr[n_rows]):
+        raise ValueError("data does not match indptr")
+    out = np.zeros(max(n_rows, 0), dtype=np.float64)
+    cdef double[::1] out_v = out
+    with nogil:
+        for r in prange(n_rows, num_threads=n_threads, schedule="static"):
+            total = 0
+            for i in range(indptr[r], indptr[r + 1]):
+                total = total + data[i]
+            out_v[r] = total
+    return out

@@ -1,0 +1,549 @@
+"""Shuffled minibatches of cells for training: :class:`Loader` and its PyTorch adapter.
+
+An epoch is planned up front from ``(seed, epoch)`` alone, so every rank and worker derives the
+same plan without talking to the others:
+
+1. the order of cells: ``"tiles"`` shuffles the tile order, groups it into buffers of
+   ``buffer_tiles`` tiles and shuffles cells within each buffer; ``"cells"`` is one random
+   permutation of all cells; ``"none"`` keeps the stored order;
+2. ranks: the order is cut into ``world_size`` contiguous, equally long parts (padded by
+   wrapping around to the start of the order, or shortened with ``drop_last``), so every rank
+   yields the same number of batches and, in ``"tiles"`` mode, decodes only its own tiles;
+3. batches: each part is cut into batches of ``batch_size`` cells, and the batches of a rank
+   are split into contiguous runs, one per DataLoader worker.
+
+A background thread builds the next batches while the consumer works: it decodes each tile a
+batch needs once into a small cache of decoded tiles (``"tiles"`` / ``"none"``), or gathers
+only the chunks of the compressed tiles that a batch's cells live in (``"cells"``, where every
+batch touches every tile).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+from numpy.typing import DTypeLike
+
+from deltacells import _kernels
+from deltacells._parallel import effective_n_threads
+from deltacells.codec import Tile, _value_dtype, empty_output
+from deltacells.dataset import Dataset, open_dataset
+from deltacells.obscache import ObsCache
+
+__all__ = ["Batch", "Loader", "TorchIterableDataset", "plan_epoch"]
+
+SHUFFLE_MODES = ("tiles", "cells", "none")
+OUTPUTS = ("scipy", "numpy", "torch", "torch_dense")
+
+
+def plan_epoch(
+    tile_cells: Sequence[int],
+    *,
+    shuffle: str,
+    buffer_tiles: int,
+    seed: int,
+    epoch: int,
+) -> np.ndarray:
+    """The order in which an epoch visits all cells (global positions, each once).
+
+    Deterministic in ``(seed, epoch)``; see the module docstring for the modes.
+    """
+    if shuffle not in SHUFFLE_MODES:
+        raise ValueError(f"shuffle must be one of {SHUFFLE_MODES}, not {shuffle!r}")
+    counts = np.asarray(tile_cells, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    n_cells = int(counts.sum())
+    if shuffle == "none":
+        return np.arange(n_cells, dtype=np.int64)
+    rng = np.random.default_rng([seed, epoch])
+    if shuffle == "cells":
+        return rng.permutation(n_cells).astype(np.int64)
+    tiles = rng.permutation(len(counts))
+    pieces = []
+    for first in range(0, len(tiles), buffer_tiles):
+        group = tiles[first : first + buffer_tiles]
+        cells = np.concatenate(
+            [np.arange(starts[t], starts[t] + counts[t], dtype=np.int64) for t in group]
+        )
+        pieces.append(rng.permutation(cells))
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+
+
+def _shard(order: np.ndarray, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
+    """Rank ``rank``'s contiguous part, all parts equally long (wrapped padding or dropping)."""
+    n = len(order)
+    if drop_last:
+        length = n // world_size
+    else:
+        length = -(-n // world_size)
+        if length * world_size > n and n:
+            order = np.concatenate([order, np.resize(order, length * world_size - n)])
+    return order[rank * length : (rank + 1) * length]
+
+
+@dataclass
+class Batch:
+    """One minibatch.
+
+    Attributes
+    ----------
+    X
+        ``batch_size`` x genes: scipy CSR, numpy dense, or a torch sparse CSR / dense tensor.
+    cells
+        Global positions of the cells (rows of the dataset as stored).
+    obs
+        Requested obs columns: category codes (int32, -1 for missing) or numeric arrays.
+    """
+
+    X: Any
+    cells: np.ndarray
+    obs: dict[str, np.ndarray]
+
+
+class _DecodedTile:
+    """A whole tile decoded once, with per-row totals and kept-column counts for batches."""
+
+    def __init__(self, tile: Tile, dtype: np.dtype, keep: np.ndarray | None, totals: bool,
+                 n_threads: int) -> None:  # fmt: skip
+        self.matrix = tile.decode(dtype, n_threads=n_threads)
+        self.indptr = self.matrix.indptr.astype(np.int64, copy=False)
+        # Library sizes over all genes, before any are dropped (only when normalising).
+        self.totals = (
+            _kernels.row_sums(self.indptr, self.matrix.data, n_threads) if totals else None
+        )
+        if keep is None:
+            self.lengths = np.diff(self.indptr)
+        else:
+            kept = keep[self.matrix.indices].astype(np.int64)
+            sums = np.concatenate([[0], np.cumsum(kept)])
+            self.lengths = sums[self.indptr[1:]] - sums[self.indptr[:-1]]
+        self.nbytes = self.matrix.data.nbytes + self.matrix.indices.nbytes
+
+
+class Loader:
+    """Iterate minibatches of cells of a deltacells dataset, shuffled, sharded and prefetched.
+
+    Parameters
+    ----------
+    source
+        A dataset URL or path, or an opened :class:`~deltacells.Dataset`.
+    batch_size
+        Cells per batch.
+    shuffle
+        ``"tiles"`` (default: tile order shuffled, cells shuffled within buffers of
+        ``buffer_tiles`` tiles), ``"cells"`` (fully random; every batch touches every tile, so
+        it decodes far more per cell), ``"none"`` (stored order). ``True`` / ``False`` mean
+        ``"tiles"`` / ``"none"``.
+    seed
+        Seed of the epoch plans; epoch ``n`` uses ``(seed, n)``.
+    buffer_tiles
+        Tiles whose cells are mixed together in ``"tiles"`` mode; at most twice this many
+        decoded tiles are held in memory.
+    drop_last
+        Drop the cells that do not fill the ranks evenly and the last incomplete batch;
+        otherwise ranks are padded by wrapping around to the start of the epoch's order (a few
+        cells then appear twice in an epoch) and the last batch may be short.
+    rank, world_size
+        This process's shard (default: ``RANK`` / ``WORLD_SIZE`` from the environment, else
+        0 / 1). Every rank yields the same number of batches.
+    obs
+        obs columns to put in each batch (category codes or numbers, from the local cache).
+    genes
+        Gene subset: names, or a boolean mask / integer positions in ``var`` order. Columns
+        come out in the order given (masks: ``var`` order).
+    normalize
+        Target sum of per-cell library-size normalisation (counts over all genes, as
+        ``scanpy.pp.normalize_total(target_sum=...)``), or None.
+    log1p
+        Apply ``log1p`` after normalising (``scanpy.pp.log1p``).
+    output
+        ``"scipy"`` (CSR), ``"numpy"`` (dense), ``"torch"`` (sparse CSR tensor) or
+        ``"torch_dense"``; torch is an optional extra.
+    values_dtype
+        ``float32`` (default) or ``float64``; ``int32`` without normalisation.
+    column_order
+        ``"source"`` (genes in the order they were written, as ``read_deltacells``) or
+        ``"stored"`` (on-disk order, the fastest: rows are copied as decoded). Ignored when
+        ``genes`` is given.
+    prefetch
+        Batches built ahead of the consumer by the background thread.
+    n_threads
+        Decoding threads; ``None`` resolves like scikit-learn.
+    storage_options, cache_dir
+        fsspec options, and where obs columns are cached.
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike | Dataset,
+        *,
+        batch_size: int = 4096,
+        shuffle: str | bool = "tiles",
+        seed: int = 0,
+        buffer_tiles: int = 4,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        obs: Sequence[str] = (),
+        genes: Sequence[str] | np.ndarray | None = None,
+        normalize: float | None = None,
+        log1p: bool = False,
+        output: str = "scipy",
+        values_dtype: DTypeLike = np.float32,
+        column_order: str = "source",
+        prefetch: int = 2,
+        n_threads: int | None = None,
+        storage_options: dict | None = None,
+        cache_dir: str | os.PathLike | None = None,
+    ) -> None:
+        if isinstance(shuffle, bool):
+            shuffle = "tiles" if shuffle else "none"
+        if shuffle not in SHUFFLE_MODES:
+            raise ValueError(f"shuffle must be one of {SHUFFLE_MODES}, not {shuffle!r}")
+        if output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS}, not {output!r}")
+        if batch_size < 1 or buffer_tiles < 1 or prefetch < 1:
+            raise ValueError("batch_size, buffer_tiles and prefetch must be at least 1")
+        if column_order not in ("source", "stored"):
+            raise ValueError(f"column_order must be 'source' or 'stored', not {column_order!r}")
+        self.dataset = (
+            source
+            if isinstance(source, Dataset)
+            else open_dataset(source, storage_options=storage_options)
+        )
+        self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
+        self.buffer_tiles, self.drop_last, self.prefetch = buffer_tiles, drop_last, prefetch
+        self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world_size {self.world_size}")
+        self.normalize, self.log1p, self.output = normalize, log1p, output
+        self.dtype = _value_dtype(values_dtype)
+        if (normalize is not None or log1p) and self.dtype.kind != "f":
+            raise ValueError("normalize / log1p need a float values_dtype")
+        self.n_threads = n_threads
+        self.column_order = column_order
+        self._worker = (0, 1)  # (worker id, number of workers) within this rank
+        self.epoch = 0
+        self._batches_done = 0
+        self._col_map, self.var_names = self._columns(genes, column_order)
+        drops = self._col_map is not None and bool(np.any(self._col_map < 0))
+        self._keep = self._col_map >= 0 if drops else None  # only a subset changes row lengths
+        self.obs_columns = list(obs)
+        self._obs = self._load_obs(self.obs_columns, cache_dir)
+        m = self.dataset.manifest
+        self._starts = np.concatenate([[0], np.cumsum(m.tile_cells)]).astype(np.int64)
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def _columns(self, genes, column_order: str) -> tuple[np.ndarray | None, np.ndarray]:
+        """``col_map`` from stored columns to output columns (-1: dropped), and the output's
+        gene names."""
+        n_genes = self.dataset.shape[1]
+        stored_names = self.dataset.var_names()
+        if stored_names is None:
+            var = self.dataset.var()
+            stored_names = (
+                [str(i) for i in range(n_genes)] if var is None else list(var.index.astype(str))
+            )
+        stored_names = np.asarray(stored_names, dtype=object)
+        order = self.dataset.gene_order()
+        to_source = np.arange(n_genes) if order is None else order  # stored j -> source column
+        source_names = np.empty(n_genes, dtype=object)
+        source_names[to_source] = stored_names
+        if genes is None:
+            if column_order == "stored" or order is None:
+                return None, stored_names
+            return to_source.astype(np.int64), source_names
+        wanted = np.asarray(genes)
+        if wanted.dtype == bool:
+            if wanted.shape != (n_genes,):
+                raise ValueError(f"gene mask of shape {wanted.shape} for {n_genes} genes")
+            wanted = np.flatnonzero(wanted)
+        if wanted.dtype.kind in "iu":
+            source_positions = wanted.astype(np.int64)
+            if source_positions.size and (
+                source_positions.min() < 0 or source_positions.max() >= n_genes
+            ):
+                raise IndexError("gene position out of range")
+        else:
+            lookup = {name: i for i, name in enumerate(source_names)}
+            missing = [g for g in wanted if g not in lookup]
+            if missing:
+                raise KeyError(f"genes not in the dataset: {missing[:5]}")
+            source_positions = np.array([lookup[g] for g in wanted], dtype=np.int64)
+        if len(np.unique(source_positions)) != len(source_positions):
+            raise ValueError("genes lists a gene twice")
+        output_of_source = np.full(n_genes, -1, dtype=np.int64)
+        output_of_source[source_positions] = np.arange(len(source_positions))
+        return output_of_source[to_source], source_names[source_positions]
+
+    def _load_obs(self, columns: list[str], cache_dir) -> dict[str, np.ndarray]:
+        if not columns:
+            return {}
+        cache = ObsCache(self.dataset, cache_dir)
+        cache.localize(columns)
+        out = {}
+        for column in columns:
+            spec = cache.schema[column]
+            if spec.kind not in ("category", "numeric", "bool"):
+                raise ValueError(f"obs column {column!r} is {spec.kind}: batches carry category "
+                                 "codes and numbers only")  # fmt: skip
+            values = cache.column(column)
+            if spec.kind == "category":
+                out[column] = values.fill_null(-1).to_numpy().astype(np.int32)
+            else:
+                out[column] = values.to_numpy(zero_copy_only=False)
+        return out
+
+    # -- epochs, sharding, state ---------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch ``epoch``'s plan from the next iteration on (and start it from its
+        beginning)."""
+        self.epoch = int(epoch)
+        self._batches_done = 0
+
+    def state_dict(self) -> dict:
+        """Where iteration stands: the epoch and the batches of it already yielded."""
+        return {"seed": self.seed, "epoch": self.epoch, "batches_done": self._batches_done}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the next iteration yields exactly the batches an uninterrupted run would
+        have yielded after ``state``."""
+        if state.get("seed", self.seed) != self.seed:
+            raise ValueError(f"state is for seed {state['seed']}, this loader uses {self.seed}")
+        self.epoch = int(state["epoch"])
+        self._batches_done = int(state["batches_done"])
+
+    def _batches(self) -> list[np.ndarray]:
+        """This rank's (and worker's) batches of the current epoch, as global cell positions."""
+        order = plan_epoch(self.dataset.manifest.tile_cells, shuffle=self.shuffle,
+                           buffer_tiles=self.buffer_tiles, seed=self.seed,
+                           epoch=self.epoch)  # fmt: skip
+        part = _shard(order, self.rank, self.world_size, self.drop_last)
+        batches = [part[i : i + self.batch_size] for i in range(0, len(part), self.batch_size)]
+        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
+            batches.pop()
+        worker, n_workers = self._worker
+        # Contiguous runs per worker (locality); the first ones take one batch more.
+        base, extra = divmod(len(batches), n_workers)
+        first = worker * base + min(worker, extra)
+        return batches[first : first + base + (worker < extra)]
+
+    def __len__(self) -> int:
+        """Batches per epoch for this rank (and worker)."""
+        return len(self._batches())
+
+    # -- iteration -----------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        batches = self._batches()[self._batches_done :]
+        results: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+        done = object()
+
+        def produce() -> None:
+            try:
+                builder = _BatchBuilder(self)
+                for cells in batches:
+                    if stop.is_set():
+                        return
+                    item = builder.build(cells)
+                    while not stop.is_set():
+                        try:
+                            results.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                results.put(done)
+            except BaseException as err:  # handed to the consumer, raised there
+                results.put(err)
+
+        thread = threading.Thread(target=produce, name="deltacells-loader", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = results.get()
+                if item is done:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                self._batches_done += 1
+                yield item
+            self.epoch += 1
+            self._batches_done = 0
+        finally:
+            stop.set()
+            while thread.is_alive():
+                try:
+                    results.get_nowait()
+                except queue.Empty:
+                    thread.join(0.05)
+
+
+class _BatchBuilder:
+    """Builds batches for one iteration (runs in the loader's background thread)."""
+
+    def __init__(self, loader: Loader) -> None:
+        self.loader = loader
+        self.n_threads = effective_n_threads(loader.n_threads)
+        self.decoded: OrderedDict[int, _DecodedTile] = OrderedDict()
+        self.compressed: OrderedDict[int, Tile] = OrderedDict()
+        self.n_out_cols = len(loader.var_names)
+
+    def _decoded(self, t: int) -> _DecodedTile:
+        tile = self.decoded.get(t)
+        if tile is None:
+            loader = self.loader
+            parsed = loader.dataset.tile(t, n_threads=self.n_threads)
+            tile = _DecodedTile(parsed, loader.dtype, loader._keep, loader.normalize is not None,
+                                self.n_threads)  # fmt: skip
+            self.decoded[t] = tile
+            while len(self.decoded) > 2 * loader.buffer_tiles:
+                self.decoded.popitem(last=False)
+        else:
+            self.decoded.move_to_end(t)
+        return tile
+
+    def _compressed(self, t: int) -> Tile:
+        tile = self.compressed.get(t)
+        if tile is None:
+            tile = self.loader.dataset.tile(t, n_threads=self.n_threads)
+            self.compressed[t] = tile
+        return tile
+
+    def build(self, cells: np.ndarray) -> Batch:
+        loader = self.loader
+        tiles_of = np.searchsorted(loader._starts, cells, side="right") - 1
+        local = cells - loader._starts[tiles_of]
+        by_tile = np.argsort(tiles_of, kind="stable")
+        touched, first = np.unique(tiles_of[by_tile], return_index=True)
+        groups = np.split(by_tile, first[1:])
+        if loader.shuffle == "cells":
+            matrix, totals = self._gather_compressed(touched, groups, local)
+        else:
+            matrix, totals = self._take_decoded(touched, groups, local)
+        if loader.normalize is not None or loader.log1p:
+            target = 0.0 if loader.normalize is None else float(loader.normalize)
+            _kernels.normalize_rows(matrix.indptr.astype(np.int64, copy=False), matrix.data,
+                                    totals, target, loader.log1p, self.n_threads)  # fmt: skip
+        obs = {name: values[cells] for name, values in loader._obs.items()}
+        return Batch(X=_convert(matrix, loader.output), cells=cells, obs=obs)
+
+    def _take_decoded(self, touched, groups, local) -> tuple[sp.csr_matrix, np.ndarray]:
+        loader = self.loader
+        decoded = [self._decoded(int(t)) for t in touched]
+        lengths = np.empty(len(local), dtype=np.int64)
+        totals = np.zeros(len(local), dtype=np.float64)
+        for tile, mine in zip(decoded, groups, strict=True):
+            lengths[mine] = tile.lengths[local[mine]]
+            if tile.totals is not None:
+                totals[mine] = tile.totals[local[mine]]
+        indptr = np.zeros(len(local) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=indptr[1:])
+        indices = empty_output(int(indptr[-1]), np.int32)
+        values = empty_output(int(indptr[-1]), loader.dtype)
+        for tile, mine in zip(decoded, groups, strict=True):
+            m = tile.matrix
+            _kernels.take_rows_into(tile.indptr, m.indices, m.data, local, mine, indptr, indices,
+                                    values, loader._col_map, self.n_threads)  # fmt: skip
+        shape = (len(local), self.n_out_cols)
+        matrix = sp.csr_matrix((values, indices, indptr), shape=shape, copy=False)
+        matrix.has_canonical_format = True
+        return matrix, totals
+
+    def _gather_compressed(self, touched, groups, local) -> tuple[sp.csr_matrix, np.ndarray]:
+        loader = self.loader
+        tiles = [self._compressed(int(t)) for t in touched]
+        lengths = np.empty(len(local), dtype=np.int64)
+        for tile, mine in zip(tiles, groups, strict=True):
+            lengths[mine] = tile.row_lengths(local[mine])
+        indptr = np.zeros(len(local) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=indptr[1:])
+        indices = empty_output(int(indptr[-1]), np.int32)
+        values = empty_output(int(indptr[-1]), loader.dtype)
+        for tile, mine in zip(tiles, groups, strict=True):
+            tile.gather_into(local, indptr, indices, values, positions=mine,
+                             n_threads=self.n_threads)  # fmt: skip
+        totals = _kernels.row_sums(indptr, values, self.n_threads)
+        shape = (len(local), loader.dataset.shape[1])
+        matrix = sp.csr_matrix((values, indices, indptr), shape=shape, copy=False)
+        if loader._col_map is not None:
+            out = _kernels.remap_columns(indptr, indices, values, loader._col_map,
+                                         self.n_out_cols, self.n_threads)  # fmt: skip
+            matrix = sp.csr_matrix((out[2], out[1], out[0]), shape=(len(local), self.n_out_cols),
+                                   copy=False)  # fmt: skip
+        matrix.has_canonical_format = True
+        return matrix, totals
+
+
+def _convert(matrix: sp.csr_matrix, output: str) -> Any:
+    if output == "scipy":
+        return matrix
+    if output == "numpy":
+        return matrix.toarray()
+    import torch
+
+    if output == "torch_dense":
+        return torch.from_numpy(matrix.toarray())
+    return torch.sparse_csr_tensor(
+        torch.from_numpy(matrix.indptr.astype(np.int64)),
+        torch.from_numpy(matrix.indices.astype(np.int64)),
+        torch.from_numpy(matrix.data),
+        size=matrix.shape,
+    )
+
+
+class TorchIterableDataset:
+    """A :class:`torch.utils.data.IterableDataset` over a :class:`Loader`'s batches.
+
+    Use with ``torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=n)``: each
+    worker takes a contiguous run of the rank's batches. Workers may be forked or spawned; in a
+    forked worker deltacells decodes on one thread unless ``n_threads`` is given (GNU OpenMP
+    hangs when a parent that used it forks), so prefer
+    ``multiprocessing_context="spawn"`` with several threads per worker, or ``"fork"`` with
+    ``num_workers`` near the core count. Batches are dicts ``{"X", "cells", <obs columns>}``.
+
+    Parameters
+    ----------
+    url
+        Dataset URL or path (each worker opens it itself).
+    **loader_options
+        Passed to :class:`Loader` (e.g. ``batch_size``, ``shuffle``, ``seed``, ``output``).
+    """
+
+    def __new__(cls, url: str | os.PathLike, **loader_options: Any):
+        import torch.utils.data
+
+        class _Dataset(torch.utils.data.IterableDataset):
+            def __init__(self) -> None:
+                super().__init__()
+                self.url = str(url)
+                self.loader_options = loader_options
+                self.epoch = 0
+
+            def set_epoch(self, epoch: int) -> None:
+                """Iterate epoch ``epoch`` next (call before creating the iterator)."""
+                self.epoch = epoch
+
+            def __iter__(self):
+                loader = Loader(self.url, **self.loader_options)
+                info = torch.utils.data.get_worker_info()
+                if info is not None:
+                    loader._worker = (info.id, info.num_workers)
+                loader.set_epoch(self.epoch)
+                for batch in loader:
+                    yield {"X": batch.X, "cells": torch.from_numpy(batch.cells), **{
+                        k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.obs.items()
+                    }}  # fmt: skip
+
+        return _Dataset()
