@@ -11,8 +11,18 @@ from deltacells.backed import DeltacellsCSRDataset, read_deltacells
 from deltacells.codec import DEFAULT_LEVEL, CountError, Tile, decode_tile, encode_tile
 from deltacells.dataset import Dataset, open_dataset
 from deltacells.format import FormatError
-from deltacells.loader import Batch, Loader, TorchIterableDataset
+from deltacells.loader import Batch, Loader
 from deltacells.writer import write_deltacells
+
+
+def __getattr__(name: str):
+    # The torch adapter imports torch (an optional extra) only when asked for.
+    if name == "TorchIterableDataset":
+        from deltacells.torchdata import TorchIterableDataset
+
+        return TorchIterableDataset
+    raise AttributeError(f"module 'deltacells' has no attribute {name!r}")
+
 
 try:
     __version__ = version("deltacells")

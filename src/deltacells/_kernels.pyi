@@ -65,3 +65,28 @@ def permute_columns(
     col_map: NDArray[np.int64],
     n_threads: int = 1,
 ) -> None: ...
+def take_rows_into(
+    indptr: NDArray[np.int64],
+    indices: NDArray[np.int32],
+    data: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
+    rows: NDArray[np.int64],
+    positions: NDArray[np.int64],
+    out_indptr: NDArray[np.int64],
+    out_indices: NDArray[np.int32],
+    out_data: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
+    col_map: NDArray[np.int64] | None = None,
+    n_threads: int = 1,
+) -> None: ...
+def normalize_rows(
+    indptr: NDArray[np.int64],
+    data: NDArray[np.float32] | NDArray[np.float64],
+    totals: NDArray[np.float64],
+    target_sum: float,
+    log1p: bool,
+    n_threads: int = 1,
+) -> None: ...
+def row_sums(
+    indptr: NDArray[np.int64],
+    data: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
+    n_threads: int = 1,
+) -> NDArray[np.float64]: ...

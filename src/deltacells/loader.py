@@ -38,7 +38,7 @@ from deltacells.codec import Tile, _value_dtype, empty_output
 from deltacells.dataset import Dataset, open_dataset
 from deltacells.obscache import ObsCache
 
-__all__ = ["Batch", "Loader", "TorchIterableDataset", "plan_epoch"]
+__all__ = ["Batch", "Loader", "plan_epoch"]
 
 SHUFFLE_MODES = ("tiles", "cells", "none")
 OUTPUTS = ("scipy", "numpy", "torch", "torch_dense")
@@ -100,7 +100,8 @@ class Batch:
     cells
         Global positions of the cells (rows of the dataset as stored).
     obs
-        Requested obs columns: category codes (int32, -1 for missing) or numeric arrays.
+        Requested obs columns: category codes (int32, -1 for missing), numbers (NaN for
+        missing) or booleans (float32 with NaN when some are missing).
     """
 
     X: Any
@@ -300,11 +301,20 @@ class Loader:
             values = cache.column(column)
             if spec.kind == "category":
                 out[column] = values.fill_null(-1).to_numpy().astype(np.int32)
-            else:
+            elif values.null_count and spec.kind == "bool":  # missing flags become NaN
+                out[column] = values.cast("float32").fill_null(np.nan).to_numpy()
+            else:  # numbers with missing values come out as floats with NaN
                 out[column] = values.to_numpy(zero_copy_only=False)
         return out
 
     # -- epochs, sharding, state ---------------------------------------------------------------
+
+    def set_worker(self, worker_id: int, num_workers: int) -> None:
+        """Yield only worker ``worker_id``'s contiguous run of this rank's batches (of
+        ``num_workers``; the first runs are one batch longer when they do not divide)."""
+        if not 0 <= worker_id < num_workers:
+            raise ValueError(f"worker {worker_id} outside {num_workers} workers")
+        self._worker = (worker_id, num_workers)
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s plan from the next iteration on (and start it from its
@@ -501,49 +511,3 @@ def _convert(matrix: sp.csr_matrix, output: str) -> Any:
         torch.from_numpy(matrix.data),
         size=matrix.shape,
     )
-
-
-class TorchIterableDataset:
-    """A :class:`torch.utils.data.IterableDataset` over a :class:`Loader`'s batches.
-
-    Use with ``torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=n)``: each
-    worker takes a contiguous run of the rank's batches. Workers may be forked or spawned; in a
-    forked worker deltacells decodes on one thread unless ``n_threads`` is given (GNU OpenMP
-    hangs when a parent that used it forks), so prefer
-    ``multiprocessing_context="spawn"`` with several threads per worker, or ``"fork"`` with
-    ``num_workers`` near the core count. Batches are dicts ``{"X", "cells", <obs columns>}``.
-
-    Parameters
-    ----------
-    url
-        Dataset URL or path (each worker opens it itself).
-    **loader_options
-        Passed to :class:`Loader` (e.g. ``batch_size``, ``shuffle``, ``seed``, ``output``).
-    """
-
-    def __new__(cls, url: str | os.PathLike, **loader_options: Any):
-        import torch.utils.data
-
-        class _Dataset(torch.utils.data.IterableDataset):
-            def __init__(self) -> None:
-                super().__init__()
-                self.url = str(url)
-                self.loader_options = loader_options
-                self.epoch = 0
-
-            def set_epoch(self, epoch: int) -> None:
-                """Iterate epoch ``epoch`` next (call before creating the iterator)."""
-                self.epoch = epoch
-
-            def __iter__(self):
-                loader = Loader(self.url, **self.loader_options)
-                info = torch.utils.data.get_worker_info()
-                if info is not None:
-                    loader._worker = (info.id, info.num_workers)
-                loader.set_epoch(self.epoch)
-                for batch in loader:
-                    yield {"X": batch.X, "cells": torch.from_numpy(batch.cells), **{
-                        k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.obs.items()
-                    }}  # fmt: skip
-
-        return _Dataset()

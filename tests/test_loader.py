@@ -1,0 +1,248 @@
+"""Loader: every cell once per epoch across ranks and workers, determinism, resume, contents."""
+
+from __future__ import annotations
+
+import anndata as ad
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from conftest import DATA_DIR
+from test_writer import small_adata
+
+import deltacells as dc
+from deltacells import _kernels
+from deltacells.loader import plan_epoch
+
+MODES = ("tiles", "cells", "none")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A 1,000-cell dataset in tiles of 128 cells (the last one short), and its AnnData."""
+    root = tmp_path_factory.mktemp("loader")
+    adata = small_adata(n_cells=1000, n_genes=150, seed=8)
+    dc.write_deltacells(adata, root / "d", tile_size=128, n_chunks=4, progress=False)
+    return str(root / "d"), adata
+
+
+def cells_of(loader) -> list[np.ndarray]:
+    return [batch.cells for batch in loader]
+
+
+def test_plan_visits_every_cell_once_and_keeps_tiles_together():
+    tile_cells = [128] * 7 + [104]
+    starts = np.concatenate([[0], np.cumsum(tile_cells)])
+    for mode in MODES:
+        order = plan_epoch(tile_cells, shuffle=mode, buffer_tiles=3, seed=1, epoch=0)
+        np.testing.assert_array_equal(np.sort(order), np.arange(1000))
+    order = plan_epoch(tile_cells, shuffle="tiles", buffer_tiles=3, seed=1, epoch=0)
+    tiles = np.searchsorted(starts, order, side="right") - 1
+    # Buffers of 3 tiles: the first buffer's cells come from exactly 3 tiles, then others.
+    buffer = set(tiles[:300].tolist())
+    size = sum(tile_cells[t] for t in buffer)
+    assert len(buffer) == 3 and set(tiles[:size].tolist()) == buffer
+    assert tiles[size] not in buffer
+    assert not np.array_equal(order, np.sort(order))
+    again = plan_epoch(tile_cells, shuffle="tiles", buffer_tiles=3, seed=1, epoch=0)
+    other = plan_epoch(tile_cells, shuffle="tiles", buffer_tiles=3, seed=1, epoch=1)
+    np.testing.assert_array_equal(order, again)
+    assert not np.array_equal(order, other)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("n_workers", [1, 2])
+def test_every_cell_once_per_epoch_across_ranks_and_workers(pair, mode, world_size, n_workers):
+    url, _ = pair
+    per_rank, everything = [], []
+    for rank in range(world_size):
+        count = 0
+        for worker in range(n_workers):
+            loader = dc.Loader(url, batch_size=64, shuffle=mode, seed=3, rank=rank,
+                               world_size=world_size, buffer_tiles=2)  # fmt: skip
+            loader.set_worker(worker, n_workers)
+            batches = cells_of(loader)
+            count += len(batches)
+            everything.extend(batches)
+        per_rank.append(count)
+    assert len(set(per_rank)) == 1  # the same number of batches on every rank
+    cells = np.concatenate(everything)
+    # Documented padding: ceil(1000 / world_size) cells per rank, the extra ones wrapped
+    # around from the start of the epoch's order.
+    length = -(-1000 // world_size)
+    assert len(cells) == length * world_size
+    counts = np.bincount(cells, minlength=1000)
+    assert counts.min() == 1
+    assert counts.sum() - 1000 == length * world_size - 1000
+    order = plan_epoch([128] * 7 + [104], shuffle=mode, buffer_tiles=2, seed=3, epoch=0)
+    padded = order[: length * world_size - 1000]
+    assert np.all(counts[padded] == 2)
+
+
+def test_drop_last_gives_each_cell_at_most_once_and_full_batches(pair):
+    url, _ = pair
+    seen = []
+    for rank in range(3):
+        loader = dc.Loader(url, batch_size=64, rank=rank, world_size=3, drop_last=True, seed=2)
+        batches = cells_of(loader)
+        assert len(batches) == (1000 // 3) // 64 == len(loader)
+        assert all(len(b) == 64 for b in batches)
+        seen.extend(batches)
+    cells = np.concatenate(seen)
+    assert len(np.unique(cells)) == len(cells)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batches_hold_the_rows_of_their_cells(pair, mode):
+    url, adata = pair
+    X = sp.csr_matrix(adata.X)
+    loader = dc.Loader(url, batch_size=100, shuffle=mode, seed=5,
+                       obs=["cell_type", "n_counts", "flag"])  # fmt: skip
+    for batch in loader:
+        assert batch.X.has_sorted_indices
+        assert (batch.X != X[batch.cells]).nnz == 0
+        codes = batch.obs["cell_type"]
+        expected = adata.obs["cell_type"].iloc[batch.cells]
+        categories = np.asarray(adata.obs["cell_type"].cat.categories)
+        decoded = np.where(codes >= 0, categories[np.maximum(codes, 0)], None)
+        assert list(decoded) == [None if isinstance(v, float) else v for v in expected]
+        np.testing.assert_array_equal(
+            batch.obs["n_counts"], adata.obs["n_counts"].iloc[batch.cells]
+        )
+        flags = adata.obs["flag"].iloc[batch.cells].astype("float32").to_numpy(na_value=np.nan)
+        np.testing.assert_array_equal(batch.obs["flag"], flags)
+    assert list(loader.var_names) == list(adata.var_names)
+
+
+def test_stored_column_order_follows_the_stored_var_names(pair):
+    url, adata = pair
+    loader = dc.Loader(url, batch_size=200, column_order="stored", shuffle="none")
+    batch = next(iter(loader))
+    expected = adata[batch.cells, list(loader.var_names)].X
+    assert (batch.X != sp.csr_matrix(expected)).nnz == 0
+
+
+def test_determinism_epochs_and_resume(pair):
+    url, _ = pair
+    first = cells_of(dc.Loader(url, batch_size=64, seed=9))
+    again = cells_of(dc.Loader(url, batch_size=64, seed=9))
+    assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+    loader = dc.Loader(url, batch_size=64, seed=9)
+    loader.set_epoch(1)
+    second = cells_of(loader)
+    assert not np.array_equal(np.concatenate(first), np.concatenate(second))
+    assert loader.epoch == 2  # a finished epoch moves on to the next
+    # Interrupted after 5 batches, resumed in a new loader: the rest is what an uninterrupted
+    # run yields.
+    loader = dc.Loader(url, batch_size=64, seed=9, shuffle="tiles")
+    iterator = iter(loader)
+    head = [next(iterator).cells for _ in range(5)]
+    state = loader.state_dict()
+    del iterator
+    assert state == {"seed": 9, "epoch": 0, "batches_done": 5}
+    resumed = dc.Loader(url, batch_size=64, seed=9, shuffle="tiles")
+    resumed.load_state_dict(state)
+    tail = cells_of(resumed)
+    assert len(head) + len(tail) == len(first)
+    for a, b in zip(head + tail, first, strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="seed"):
+        dc.Loader(url, seed=1).load_state_dict(state)
+
+
+@pytest.mark.parametrize("mode", ["tiles", "cells"])
+def test_gene_subset_equals_slicing_afterwards(pair, mode):
+    url, adata = pair
+    rng = np.random.default_rng(4)
+    names = list(rng.choice(adata.var_names, 40, replace=False))  # any order
+    loader = dc.Loader(url, batch_size=128, shuffle=mode, genes=names)
+    assert list(loader.var_names) == names
+    for batch in loader:
+        expected = sp.csr_matrix(adata[batch.cells, names].X)
+        assert batch.X.shape == expected.shape
+        assert (batch.X != expected).nnz == 0
+    mask = rng.random(adata.n_vars) < 0.3
+    batch = next(iter(dc.Loader(url, batch_size=128, genes=mask)))
+    assert (batch.X != sp.csr_matrix(adata[batch.cells][:, mask].X)).nnz == 0
+    with pytest.raises(KeyError, match="not in the dataset"):
+        dc.Loader(url, genes=["no-such-gene"])
+
+
+@pytest.fixture(scope="module")
+def liao_subset(tmp_path_factory):
+    """3,000 real cells (liao2020_balf) written as a dataset."""
+    adata = ad.read_h5ad(DATA_DIR / "liao2020_balf.h5ad")[:3000].copy()
+    root = tmp_path_factory.mktemp("loader-real")
+    dc.write_deltacells(adata, root / "d", tile_size=1024, progress=False)
+    return str(root / "d"), adata
+
+
+@pytest.mark.parametrize("mode", ["tiles", "cells"])
+def test_normalisation_equals_scanpy_on_real_data(liao_subset, mode):
+    sc = pytest.importorskip("scanpy")
+    url, adata = liao_subset
+    hvg = list(adata.var_names[np.argsort(-np.asarray(adata.X.sum(axis=0)).ravel())[:500]])
+    loader = dc.Loader(url, batch_size=512, shuffle=mode, normalize=1e4, log1p=True, seed=1)
+    subset = dc.Loader(url, batch_size=512, shuffle=mode, normalize=1e4, log1p=True, seed=1,
+                       genes=hvg)  # fmt: skip
+    for batch, batch_subset in zip(loader, subset, strict=True):
+        expected = adata[batch.cells].copy()
+        expected.X = sp.csr_matrix(expected.X, dtype=np.float32)
+        sc.pp.normalize_total(expected, target_sum=1e4)
+        sc.pp.log1p(expected)
+        np.testing.assert_allclose(batch.X.toarray(), expected.X.toarray(), rtol=1e-5, atol=1e-6)
+        # Library sizes count all genes, so a subset equals slicing the normalised matrix.
+        np.testing.assert_allclose(batch_subset.X.toarray(), expected[:, hvg].X.toarray(),
+                                   rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+def test_outputs_numpy_and_torch(pair):
+    torch = pytest.importorskip("torch")
+    url, adata = pair
+    X = sp.csr_matrix(adata.X)
+    dense = next(iter(dc.Loader(url, batch_size=50, output="numpy")))
+    np.testing.assert_array_equal(dense.X, X[dense.cells].toarray())
+    sparse = next(iter(dc.Loader(url, batch_size=50, output="torch")))
+    assert sparse.X.layout == torch.sparse_csr
+    np.testing.assert_array_equal(sparse.X.to_dense().numpy(), X[sparse.cells].toarray())
+    dense_t = next(iter(dc.Loader(url, batch_size=50, output="torch_dense")))
+    assert dense_t.X.dtype == torch.float32
+    np.testing.assert_array_equal(dense_t.X.numpy(), X[dense_t.cells].toarray())
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_torch_dataloader_workers_cover_every_cell_once(pair, context):
+    torch = pytest.importorskip("torch")
+    url, _ = pair
+    dataset = dc.TorchIterableDataset(url, batch_size=64, seed=6, obs=["cell_type"])
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2,
+                                         multiprocessing_context=context)  # fmt: skip
+    batches = list(loader)
+    cells = np.concatenate([b["cells"].numpy() for b in batches])
+    np.testing.assert_array_equal(np.sort(cells), np.arange(1000))
+    single = np.concatenate(cells_of(dc.Loader(url, batch_size=64, seed=6)))
+    np.testing.assert_array_equal(np.sort(single), np.sort(cells))
+    assert all(b["cell_type"].dtype == torch.int32 for b in batches)
+
+
+def test_errors(pair):
+    url, _ = pair
+    with pytest.raises(ValueError, match="shuffle"):
+        dc.Loader(url, shuffle="sometimes")
+    with pytest.raises(ValueError, match="rank"):
+        dc.Loader(url, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="category codes and numbers"):
+        dc.Loader(url, obs=["_index"])
+    with pytest.raises(ValueError, match="float"):
+        dc.Loader(url, values_dtype=np.int32, normalize=1e4)
+
+
+def test_take_rows_kernel_checks_its_output_rows():
+    matrix = sp.random(10, 20, density=0.3, format="csr", random_state=0, dtype=np.float32)
+    indptr = matrix.indptr.astype(np.int64)
+    rows = np.array([3, 1], dtype=np.int64)
+    out_indptr = np.array([0, 1, 2], dtype=np.int64)  # wrong lengths
+    with pytest.raises(ValueError, match="length"):
+        _kernels.take_rows_into(indptr, matrix.indices, matrix.data, rows,
+                                np.arange(2, dtype=np.int64), out_indptr,
+                                np.empty(2, np.int32), np.empty(2, np.float32))  # fmt: skip
