@@ -1,0 +1,48 @@
+"""annbatch's side of bench_loader.py, run by the Python of annbatch's own virtualenv.
+
+    python _annbatch_child.py --child '{"tool": "annbatch", "path": ..., "batch_size": ...,
+                                        "options": {"convert_to": ...}}'
+
+With ``convert_to``: make a shuffled annbatch collection from the h5ad at ``path``. Otherwise
+time one epoch over the collection at ``path`` with the README's settings and the zarrs
+pipeline, X only (as the deltacells run), and print the result as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+
+import anndata as ad
+import zarr
+from annbatch import DatasetCollection, Loader
+
+zarr.config.set({"codec_pipeline.path": "zarrs.ZarrsCodecPipeline"})
+
+
+def main(spec: dict) -> None:
+    options = spec["options"]
+    if "convert_to" in options:
+        DatasetCollection(options["convert_to"]).add_adatas([spec["path"]], shuffle=True)
+        print(json.dumps({"cells": 0, "seconds": 1.0}))
+        return
+    collection = DatasetCollection(spec["path"], mode="r")
+    with ad.settings.override(remove_unused_categories=False):
+        loader = Loader(batch_size=spec["batch_size"], chunk_size=32, preload_nchunks=256,
+                        shuffle=True, preload_to_gpu=False)  # fmt: skip
+        loader = loader.use_collection(
+            collection, load_adata=lambda g: ad.AnnData(X=ad.io.sparse_dataset(g["X"]))
+        )
+        t0 = time.perf_counter()
+        cells = 0
+        for batch in loader:
+            cells += batch["X"].shape[0]
+        seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"cells": cells, "seconds": seconds, "peak_rss_mb": peak}))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[2]))

@@ -1,0 +1,258 @@
+"""Loader benchmark: cells/s and peak RSS over one epoch, deltacells next to annbatch and anndata.
+
+    python benchmarks/bench_loader.py [--cells 100000] [--batch-size 4096] [--no-annbatch]
+                                      [--no-s3] [--annbatch-python PATH]
+
+On one input (``liao2020_balf.h5ad`` stacked with shuffled rows to ``--cells`` cells), each
+loader runs one shuffled epoch of ``--batch-size`` batches in its own fresh process (so peak RSS
+is that process's own), in one run:
+
+- deltacells ``Loader`` (default ``shuffle="tiles"``, source gene order; and the stored gene
+  order), locally and through moto's S3 server;
+- annbatch 0.3.x with the zarrs codec pipeline and its README's settings (``chunk_size=32``,
+  ``preload_nchunks=256``) on a collection it made itself (``shuffle=True``); annbatch needs
+  Python >= 3.12, so it runs in its own virtualenv (``benchmarks/.annbatch-venv``, created on
+  first use with ``pip install 'annbatch[zarrs]==0.3.1'``);
+- anndata backed h5ad (uncompressed and gzip): random minibatches of sorted indices from
+  ``sparse_dataset``; gzip is timed over its first batches only (it streams ~2,000 cells/s).
+
+Writes ``benchmarks/results/loader.json`` and ``docs/_static/bench_loader.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
+ANNBATCH_VENV = HERE / ".annbatch-venv"
+ANNBATCH_SPEC = "annbatch[zarrs]==0.3.1"
+
+
+# -- children: one epoch each, in a fresh process ------------------------------------------
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child_deltacells(path: str, batch_size: int, options: dict) -> dict:
+    import deltacells as dc
+
+    storage_options = options.pop("storage_options", None)
+    loader = dc.Loader(path, batch_size=batch_size, seed=0, storage_options=storage_options,
+                       **options)  # fmt: skip
+    t0 = time.perf_counter()
+    cells = 0
+    for batch in loader:
+        cells += batch.X.shape[0]
+    return {"cells": cells, "seconds": time.perf_counter() - t0}
+
+
+def child_anndata(path: str, batch_size: int, options: dict) -> dict:
+    import anndata as ad
+    import h5py
+    import numpy as np
+
+    X = ad.io.sparse_dataset(h5py.File(path, "r")["X"])
+    order = np.random.default_rng(0).permutation(X.shape[0])
+    max_batches = options.get("max_batches")
+    t0 = time.perf_counter()
+    cells = 0
+    for i, start in enumerate(range(0, len(order), batch_size)):
+        if max_batches is not None and i >= max_batches:
+            break
+        rows = np.sort(order[start : start + batch_size])
+        cells += X[rows].shape[0]
+    return {"cells": cells, "seconds": time.perf_counter() - t0}
+
+
+def run_child(python: str, tool: str, path: str, batch_size: int, options: dict) -> dict:
+    """One epoch of ``tool`` in a new process; its result plus its peak RSS."""
+    spec = json.dumps({"tool": tool, "path": path, "batch_size": batch_size, "options": options})
+    script = HERE / ("_annbatch_child.py" if tool == "annbatch" else "bench_loader.py")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([python, str(script), "--child", spec], capture_output=True,
+                          text=True, env=env, check=False)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"{tool} child failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["cells_per_s"] = result["cells"] / result["seconds"]
+    return result
+
+
+# -- set-up ------------------------------------------------------------------------------------
+
+
+def make_inputs(source: Path, n_cells: int, workdir: Path) -> dict[str, Path]:
+    import anndata as ad
+    import numpy as np
+    import scipy.sparse as sp
+
+    import deltacells as dc
+
+    base = ad.read_h5ad(source)
+    rows = np.random.default_rng(0).integers(0, base.n_obs, n_cells)
+    adata = ad.AnnData(X=sp.csr_matrix(base.X)[rows], obs=base.obs.iloc[rows].copy(), var=base.var)
+    adata.obs_names = [f"{name}-{i}" for i, name in enumerate(adata.obs_names)]
+    paths = {"h5ad": workdir / "plain.h5ad", "h5ad_gzip": workdir / "gzip.h5ad",
+             "deltacells": workdir / "x.dc"}  # fmt: skip
+    adata.write_h5ad(paths["h5ad"])
+    adata.write_h5ad(paths["h5ad_gzip"], compression="gzip")
+    dc.write_deltacells(adata, paths["deltacells"], progress=False)
+    return paths
+
+
+def annbatch_python(explicit: str | None) -> str:
+    """The annbatch virtualenv's Python (made on first use from a Python >= 3.12)."""
+    python = ANNBATCH_VENV / "bin" / "python"
+    if not python.exists():
+        base = explicit or shutil.which("python3.12") or shutil.which("python3.13")
+        for candidate in sorted(Path("/root/.pyenv/versions").glob("3.1[2-9]*/bin/python")):
+            base = base or str(candidate)
+        if base is None:
+            raise RuntimeError("annbatch needs Python >= 3.12: pass --annbatch-python")
+        subprocess.run([base, "-m", "venv", str(ANNBATCH_VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", ANNBATCH_SPEC], check=True)
+    return str(python)
+
+
+def s3_server(paths: dict[str, Path]):
+    """moto's S3 server on 127.0.0.1 with the deltacells dataset uploaded."""
+    import socket
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                          aws_access_key_id="x", aws_secret_access_key="x")  # fmt: skip
+    client.create_bucket(Bucket="bench")
+    for p in paths["deltacells"].rglob("*"):
+        if p.is_file():
+            client.upload_file(str(p), "bench", f"dc/{p.relative_to(paths['deltacells'])}")
+    options = {"key": "x", "secret": "x", "client_kwargs": {"endpoint_url": endpoint}}
+    return server, "s3://bench/dc", options
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    names = list(runs)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    axes[0].barh(names, [runs[n]["cells_per_s"] for n in names], color="tab:blue")
+    axes[0].set_xlabel("cells / s (higher is better)")
+    axes[1].barh(names, [runs[n]["peak_rss_mb"] for n in names], color="tab:orange")
+    axes[1].set_xlabel("peak RSS, MB (lower is better)")
+    axes[1].set_yticks([])
+    fig.suptitle(f"One epoch, {results['n_cells']:,} cells, batch {results['batch_size']} "
+                 f"({results['machine']['cpu']}, {results['machine']['usable_cpus']} CPUs)",
+                 fontsize=9)  # fmt: skip
+    from _common import save_figure
+
+    save_figure(fig, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--cells", type=int, default=100_000)
+    parser.add_argument("--batch-size", type=int, default=4096)
+    parser.add_argument("--gzip-batches", type=int, default=5)
+    parser.add_argument("--no-annbatch", action="store_true")
+    parser.add_argument("--no-s3", action="store_true")
+    parser.add_argument("--annbatch-python")
+    parser.add_argument("--json", type=Path, default=HERE / "results" / "loader.json")
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "_static" / "bench_loader.png")
+    args = parser.parse_args()
+    from _common import machine
+
+    me = sys.executable
+    workdir = Path(tempfile.mkdtemp(prefix="dc-bench-loader-"))
+    runs: dict[str, dict] = {}
+
+    def record(name: str, python: str, tool: str, path, options: dict) -> None:
+        runs[name] = run_child(python, tool, str(path), args.batch_size, options)
+        row = runs[name]
+        print(f"  {name:34s} {row['cells_per_s']:>10,.0f} cells/s  peak RSS "
+              f"{row['peak_rss_mb']:,.0f} MB", flush=True)  # fmt: skip
+
+    try:
+        print(f"making a {args.cells:,}-cell input ...", flush=True)
+        paths = make_inputs(args.data, args.cells, workdir)
+        if not args.no_annbatch:
+            python = annbatch_python(args.annbatch_python)
+            collection = workdir / "annbatch.zarr"
+            run_child(python, "annbatch", str(paths["h5ad"]), args.batch_size,
+                      {"convert_to": str(collection)})  # fmt: skip
+        print("one epoch each:", flush=True)
+        record("deltacells", me, "deltacells", paths["deltacells"], {})
+        record("deltacells (stored gene order)", me, "deltacells", paths["deltacells"],
+               {"column_order": "stored"})  # fmt: skip
+        if not args.no_annbatch:
+            record("annbatch (zarrs)", python, "annbatch", str(collection), {})
+        record("anndata backed h5ad", me, "anndata", paths["h5ad"], {})
+        record(f"anndata backed h5ad gzip ({args.gzip_batches} batches)", me, "anndata",
+               paths["h5ad_gzip"], {"max_batches": args.gzip_batches})  # fmt: skip
+        if not args.no_s3:
+            server, url, options = s3_server(paths)
+            try:
+                record("deltacells via S3 (moto)", me, "deltacells", url,
+                       {"storage_options": options})  # fmt: skip
+            finally:
+                server.stop()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    results = {"machine": machine(), "command": "python benchmarks/bench_loader.py",
+               "n_cells": args.cells, "batch_size": args.batch_size, "runs": runs}  # fmt: skip
+    if "annbatch (zarrs)" in runs:
+        ref = runs["annbatch (zarrs)"]
+        results["vs_annbatch"] = {
+            name: {
+                "speed_ratio": row["cells_per_s"] / ref["cells_per_s"],
+                "rss_ratio": row["peak_rss_mb"] / ref["peak_rss_mb"],
+            }
+            for name, row in runs.items()
+            if name.startswith("deltacells")
+        }
+        print(json.dumps(results["vs_annbatch"], indent=1))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
+    plot(results, args.plot)
+    print(f"wrote {args.json} and {args.plot}")
+
+
+def child_main(spec: dict) -> None:
+    tool, path, batch_size, options = (spec["tool"], spec["path"], spec["batch_size"],
+                                       spec["options"])  # fmt: skip
+    run = {"deltacells": child_deltacells, "anndata": child_anndata}[tool]
+    result = run(path, batch_size, options)
+    result["peak_rss_mb"] = _peak_rss_mb()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        child_main(json.loads(sys.argv[2]))
+    else:
+        main()
