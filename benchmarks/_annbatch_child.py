@@ -11,7 +11,6 @@ pipeline, X only (as the deltacells run), and print the result as JSON.
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 
@@ -40,7 +39,9 @@ def main(spec: dict) -> None:
         for batch in loader:
             cells += batch["X"].shape[0]
         seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # VmHWM: this process's own peak (ru_maxrss would carry the parent's across exec).
+    peak = next(int(line.split()[1]) / 1024 for line in open("/proc/self/status")
+                if line.startswith("VmHWM:"))  # fmt: skip
     print(json.dumps({"cells": cells, "seconds": seconds, "peak_rss_mb": peak}))
 
 

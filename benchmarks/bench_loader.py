@@ -42,9 +42,12 @@ ANNBATCH_SPEC = "annbatch[zarrs]==0.3.1"
 
 
 def _peak_rss_mb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # VmHWM is this process's own peak; getrusage's ru_maxrss carries the parent's peak
+    # across fork and exec on Linux.
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def child_deltacells(path: str, batch_size: int, options: dict) -> dict:

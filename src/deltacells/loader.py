@@ -113,8 +113,9 @@ class _DecodedTile:
     """A whole tile decoded once, with per-row totals and kept-column counts for batches."""
 
     def __init__(self, tile: Tile, dtype: np.dtype, keep: np.ndarray | None, totals: bool,
-                 n_threads: int) -> None:  # fmt: skip
-        self.matrix = tile.decode(dtype, n_threads=n_threads)
+                 n_threads: int, out: tuple[np.ndarray, np.ndarray]) -> None:  # fmt: skip
+        self.buffers = out
+        self.matrix = tile.decode(dtype, n_threads=n_threads, out=out)
         self.indptr = self.matrix.indptr.astype(np.int64, copy=False)
         # Library sizes over all genes, before any are dropped (only when normalising).
         self.totals = (
@@ -146,8 +147,9 @@ class Loader:
     seed
         Seed of the epoch plans; epoch ``n`` uses ``(seed, n)``.
     buffer_tiles
-        Tiles whose cells are mixed together in ``"tiles"`` mode; at most twice this many
-        decoded tiles are held in memory.
+        Tiles whose cells are mixed together in ``"tiles"`` mode. Decoded tiles are dropped as
+        soon as no later batch needs them, so about this many are held in memory (twice as
+        many while a batch straddles two buffers).
     drop_last
         Drop the cells that do not fill the ranks evenly and the last incomplete batch;
         otherwise ranks are padded by wrapping around to the start of the epoch's order (a few
@@ -176,6 +178,8 @@ class Loader:
         ``genes`` is given.
     prefetch
         Batches built ahead of the consumer by the background thread.
+    tile_cache_bytes
+        Most bytes of compressed tiles kept in ``"cells"`` mode (every batch reads every tile).
     n_threads
         Decoding threads; ``None`` resolves like scikit-learn.
     storage_options, cache_dir
@@ -201,6 +205,7 @@ class Loader:
         values_dtype: DTypeLike = np.float32,
         column_order: str = "source",
         prefetch: int = 2,
+        tile_cache_bytes: int = 256 * 2**20,
         n_threads: int | None = None,
         storage_options: dict | None = None,
         cache_dir: str | os.PathLike | None = None,
@@ -231,6 +236,7 @@ class Loader:
         if (normalize is not None or log1p) and self.dtype.kind != "f":
             raise ValueError("normalize / log1p need a float values_dtype")
         self.n_threads = n_threads
+        self.tile_cache_bytes = tile_cache_bytes
         self.column_order = column_order
         self._worker = (0, 1)  # (worker id, number of workers) within this rank
         self.epoch = 0
@@ -363,11 +369,12 @@ class Loader:
 
         def produce() -> None:
             try:
-                builder = _BatchBuilder(self)
-                for cells in batches:
+                builder = _BatchBuilder(self, batches)
+                for index, cells in enumerate(batches):
                     if stop.is_set():
                         return
                     item = builder.build(cells)
+                    builder.release(index)
                     while not stop.is_set():
                         try:
                             results.put(item, timeout=0.1)
@@ -403,32 +410,54 @@ class Loader:
 class _BatchBuilder:
     """Builds batches for one iteration (runs in the loader's background thread)."""
 
-    def __init__(self, loader: Loader) -> None:
+    def __init__(self, loader: Loader, batches: list[np.ndarray]) -> None:
         self.loader = loader
         self.n_threads = effective_n_threads(loader.n_threads)
-        self.decoded: OrderedDict[int, _DecodedTile] = OrderedDict()
+        self.decoded: dict[int, _DecodedTile] = {}
         self.compressed: OrderedDict[int, Tile] = OrderedDict()
+        self.compressed_bytes = 0
         self.n_out_cols = len(loader.var_names)
+        # The last batch that needs each tile: a decoded tile is dropped right after it, so
+        # memory holds only the tiles still to be used (about one buffer), and its buffers
+        # are reused for the next tile instead of fresh pages.
+        self.last_use = np.full(len(loader._starts) - 1, -1, dtype=np.int64)
+        for i, cells in enumerate(batches):
+            self.last_use[np.searchsorted(loader._starts, cells, side="right") - 1] = i
+        self.capacity = max(loader.dataset.manifest.tile_nnz, default=0)
+        self.spare: list[tuple[np.ndarray, np.ndarray]] = []
 
     def _decoded(self, t: int) -> _DecodedTile:
         tile = self.decoded.get(t)
         if tile is None:
             loader = self.loader
             parsed = loader.dataset.tile(t, n_threads=self.n_threads)
+            out = self.spare.pop() if self.spare else (
+                empty_output(self.capacity, np.int32), empty_output(self.capacity, loader.dtype)
+            )  # fmt: skip
             tile = _DecodedTile(parsed, loader.dtype, loader._keep, loader.normalize is not None,
-                                self.n_threads)  # fmt: skip
+                                self.n_threads, out)  # fmt: skip
             self.decoded[t] = tile
-            while len(self.decoded) > 2 * loader.buffer_tiles:
-                self.decoded.popitem(last=False)
-        else:
-            self.decoded.move_to_end(t)
         return tile
 
+    def release(self, batch_index: int) -> None:
+        """Drop the decoded tiles no batch after ``batch_index`` needs (buffers kept spare)."""
+        for t in [t for t in self.decoded if self.last_use[t] <= batch_index]:
+            tile = self.decoded.pop(t)
+            if len(self.spare) < 2:
+                self.spare.append(tile.buffers)
+
     def _compressed(self, t: int) -> Tile:
+        """A parsed compressed tile, from a cache bounded by ``tile_cache_bytes``."""
         tile = self.compressed.get(t)
         if tile is None:
             tile = self.loader.dataset.tile(t, n_threads=self.n_threads)
             self.compressed[t] = tile
+            self.compressed_bytes += tile.nbytes
+            while self.compressed_bytes > self.loader.tile_cache_bytes and len(self.compressed) > 1:
+                _, old = self.compressed.popitem(last=False)
+                self.compressed_bytes -= old.nbytes
+        else:
+            self.compressed.move_to_end(t)
         return tile
 
     def build(self, cells: np.ndarray) -> Batch:
