@@ -246,3 +246,21 @@ def test_take_rows_kernel_checks_its_output_rows():
         _kernels.take_rows_into(indptr, matrix.indices, matrix.data, rows,
                                 np.arange(2, dtype=np.int64), out_indptr,
                                 np.empty(2, np.int32), np.empty(2, np.float32))  # fmt: skip
+
+
+def test_decoded_tiles_are_dropped_after_their_last_batch(pair, monkeypatch):
+    from deltacells import loader as loader_module
+
+    url, _ = pair
+    held = []
+    release = loader_module._BatchBuilder.release
+
+    def counting_release(self, batch_index):
+        held.append(len(self.decoded))
+        release(self, batch_index)
+
+    monkeypatch.setattr(loader_module._BatchBuilder, "release", counting_release)
+    assert len(cells_of(dc.Loader(url, batch_size=64, buffer_tiles=2, seed=1))) == 16
+    # A 64-cell batch from a 2-tile buffer needs those 2 tiles, or 4 when it straddles two
+    # buffers; nothing else stays decoded.
+    assert max(held) <= 4 and min(held) >= 1

@@ -147,7 +147,8 @@ class Loader:
     seed
         Seed of the epoch plans; epoch ``n`` uses ``(seed, n)``.
     buffer_tiles
-        Tiles whose cells are mixed together in ``"tiles"`` mode. Decoded tiles are dropped as
+        Tiles whose cells are mixed together in ``"tiles"`` mode (default 2: 8,192 cells with
+        the default tile size, as many as annbatch's default preload). Decoded tiles are dropped as
         soon as no later batch needs them, so about this many are held in memory (twice as
         many while a batch straddles two buffers).
     drop_last
@@ -193,7 +194,7 @@ class Loader:
         batch_size: int = 4096,
         shuffle: str | bool = "tiles",
         seed: int = 0,
-        buffer_tiles: int = 4,
+        buffer_tiles: int = 2,
         drop_last: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
