@@ -1,11 +1,12 @@
 """Loader benchmark: cells/s and peak RSS over one epoch, deltacells next to annbatch and anndata.
 
-    python benchmarks/bench_loader.py [--cells 100000] [--batch-size 4096] [--no-annbatch]
-                                      [--no-s3] [--annbatch-python PATH]
+    python benchmarks/bench_loader.py [--cells 100000] [--batch-size 4096] [--repeats 5]
+                                      [--no-annbatch] [--no-s3] [--annbatch-python PATH]
 
 On one input (``liao2020_balf.h5ad`` stacked with shuffled rows to ``--cells`` cells), each
 loader runs one shuffled epoch of ``--batch-size`` batches in its own fresh process (so peak RSS
-is that process's own), in one run:
+is that process's own), in one run; deltacells and annbatch run ``--repeats`` epochs (median
+cells/s, largest peak RSS), the others one:
 
 - deltacells ``Loader`` (default ``shuffle="tiles"``, source gene order; and the stored gene
   order), locally and through moto's S3 server;
@@ -14,7 +15,7 @@ is that process's own), in one run:
   Python >= 3.12, so it runs in its own virtualenv (``benchmarks/.annbatch-venv``, created on
   first use with ``pip install 'annbatch[zarrs]==0.3.1'``);
 - anndata backed h5ad (uncompressed and gzip): random minibatches of sorted indices from
-  ``sparse_dataset``; gzip is timed over its first batches only (it streams ~2,000 cells/s).
+  ``sparse_dataset``; gzip is timed over its first batches only (it is about 100 times slower).
 
 Writes ``benchmarks/results/loader.json`` and ``docs/_static/bench_loader.png``.
 """
@@ -82,7 +83,7 @@ def child_anndata(path: str, batch_size: int, options: dict) -> dict:
 
 
 def run_child(python: str, tool: str, path: str, batch_size: int, options: dict) -> dict:
-    """One epoch of ``tool`` in a new process; its result plus its peak RSS."""
+    """One epoch of ``tool`` in a new process: cells, seconds, cells/s and its peak RSS."""
     spec = json.dumps({"tool": tool, "path": path, "batch_size": batch_size, "options": options})
     script = HERE / ("_annbatch_child.py" if tool == "annbatch" else "bench_loader.py")
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -182,6 +183,7 @@ def main() -> None:
     parser.add_argument("--cells", type=int, default=100_000)
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--gzip-batches", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="epochs per loader (median)")
     parser.add_argument("--no-annbatch", action="store_true")
     parser.add_argument("--no-s3", action="store_true")
     parser.add_argument("--annbatch-python")
@@ -194,8 +196,14 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="dc-bench-loader-"))
     runs: dict[str, dict] = {}
 
-    def record(name: str, python: str, tool: str, path, options: dict) -> None:
-        runs[name] = run_child(python, tool, str(path), args.batch_size, options)
+    def record(name: str, python: str, tool: str, path, options: dict, repeats: int) -> None:
+        # Median cells/s and largest peak RSS of ``repeats`` epochs, each in a fresh process.
+        epochs = [run_child(python, tool, str(path), args.batch_size, dict(options))
+                  for _ in range(repeats)]  # fmt: skip
+        speeds = sorted(e["cells_per_s"] for e in epochs)
+        runs[name] = {"cells": epochs[0]["cells"], "repeats": repeats,
+                      "cells_per_s": speeds[len(speeds) // 2], "cells_per_s_all": speeds,
+                      "peak_rss_mb": max(e["peak_rss_mb"] for e in epochs)}  # fmt: skip
         row = runs[name]
         print(f"  {name:34s} {row['cells_per_s']:>10,.0f} cells/s  peak RSS "
               f"{row['peak_rss_mb']:,.0f} MB", flush=True)  # fmt: skip
@@ -209,25 +217,27 @@ def main() -> None:
             run_child(python, "annbatch", str(paths["h5ad"]), args.batch_size,
                       {"convert_to": str(collection)})  # fmt: skip
         print("one epoch each:", flush=True)
-        record("deltacells", me, "deltacells", paths["deltacells"], {})
+        n = args.repeats
+        record("deltacells", me, "deltacells", paths["deltacells"], {}, n)
         record("deltacells (stored gene order)", me, "deltacells", paths["deltacells"],
-               {"column_order": "stored"})  # fmt: skip
+               {"column_order": "stored"}, n)  # fmt: skip
         if not args.no_annbatch:
-            record("annbatch (zarrs)", python, "annbatch", str(collection), {})
-        record("anndata backed h5ad", me, "anndata", paths["h5ad"], {})
+            record("annbatch (zarrs)", python, "annbatch", str(collection), {}, n)
+        record("anndata backed h5ad", me, "anndata", paths["h5ad"], {}, 1)
         record(f"anndata backed h5ad gzip ({args.gzip_batches} batches)", me, "anndata",
-               paths["h5ad_gzip"], {"max_batches": args.gzip_batches})  # fmt: skip
+               paths["h5ad_gzip"], {"max_batches": args.gzip_batches}, 1)  # fmt: skip
         if not args.no_s3:
             server, url, options = s3_server(paths)
             try:
                 record("deltacells via S3 (moto)", me, "deltacells", url,
-                       {"storage_options": options})  # fmt: skip
+                       {"storage_options": options}, 1)  # fmt: skip
             finally:
                 server.stop()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     results = {"machine": machine(), "command": "python benchmarks/bench_loader.py",
-               "n_cells": args.cells, "batch_size": args.batch_size, "runs": runs}  # fmt: skip
+               "n_cells": args.cells, "batch_size": args.batch_size, "repeats": args.repeats,
+               "runs": runs}  # fmt: skip
     if "annbatch (zarrs)" in runs:
         ref = runs["annbatch (zarrs)"]
         results["vs_annbatch"] = {

@@ -225,6 +225,26 @@ def test_torch_dataloader_workers_cover_every_cell_once(pair, context):
     assert all(b["cell_type"].dtype == torch.int32 for b in batches)
 
 
+def test_torch_dataloader_resumes_mid_epoch(pair):
+    torch = pytest.importorskip("torch")
+    url, _ = pair
+    options = {"batch_size": 48, "seed": 2, "shuffle": "tiles"}
+
+    def loader_over(dataset):
+        return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=3,
+                                           multiprocessing_context="fork")  # fmt: skip
+
+    full = [b["cells"].numpy() for b in loader_over(dc.TorchIterableDataset(url, **options))]
+    assert len(full) == -(-1000 // 48)
+    for taken in (5, 19):
+        dataset = dc.TorchIterableDataset(url, **options)
+        dataset.load_state_dict(dataset.state_dict(taken))
+        rest = [b["cells"].numpy() for b in loader_over(dataset)]
+        assert len(rest) == len(full) - taken
+        for a, b in zip(rest, full[taken:], strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_errors(pair):
     url, _ = pair
     with pytest.raises(ValueError, match="shuffle"):

@@ -41,17 +41,40 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
         self.url = str(url)
         self.loader_options = loader_options
         self.epoch = 0
+        self.batches_done = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Iterate epoch ``epoch`` from the next ``iter()`` on."""
+        """Iterate epoch ``epoch`` from its start from the next ``iter()`` on."""
         self.epoch = int(epoch)
+        self.batches_done = 0
+
+    def state_dict(self, batches_done: int) -> dict:
+        """The state after the consumer took ``batches_done`` batches of the current epoch
+        from the DataLoader (which the caller counts; the workers cannot tell it)."""
+        return {"epoch": self.epoch, "batches_done": int(batches_done)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: a DataLoader over this dataset (same ``num_workers``) then yields exactly the
+        batches an uninterrupted one would have yielded after ``state``.
+
+        The DataLoader takes one batch from each worker in turn and every worker's run of
+        batches is as long as the others' or one longer (the first ones), so after ``k``
+        batches worker ``w`` has delivered those ``j < k`` with ``j % num_workers == w``; on
+        resuming, worker ``i`` takes over worker ``(i + k) % num_workers``'s run.
+        """
+        self.epoch = int(state["epoch"])
+        self.batches_done = int(state["batches_done"])
 
     def __iter__(self):
         loader = Loader(self.url, **self.loader_options)
         info = torch.utils.data.get_worker_info()
-        if info is not None:
-            loader.set_worker(info.id, info.num_workers)
-        loader.set_epoch(self.epoch)
+        worker, n_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        # A new DataLoader asks worker 0 first: it plays the part of the worker whose turn
+        # it was, so the round robin continues where it stopped.
+        role = (worker + self.batches_done) % n_workers
+        loader.set_worker(role, n_workers)
+        skip = max(0, (self.batches_done - role + n_workers - 1) // n_workers)
+        loader.load_state_dict({"epoch": self.epoch, "batches_done": skip})
         for batch in loader:
             obs = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.obs.items()}
             yield {"X": batch.X, "cells": torch.from_numpy(batch.cells), **obs}
