@@ -27,7 +27,11 @@ def main(spec: dict) -> None:
         DatasetCollection(options["convert_to"]).add_adatas([spec["path"]], shuffle=True)
         print(json.dumps({"cells": 0, "seconds": 1.0}))
         return
-    collection = DatasetCollection(spec["path"], mode="r")
+    if "storage_options" in options:  # through S3: a zarr group on an fsspec store
+        group = zarr.open_group(spec["path"], mode="r", storage_options=options["storage_options"])
+        collection = DatasetCollection(group)
+    else:
+        collection = DatasetCollection(spec["path"], mode="r")
     with ad.settings.override(remove_unused_categories=False):
         loader = Loader(batch_size=spec["batch_size"], chunk_size=32, preload_nchunks=256,
                         shuffle=True, preload_to_gpu=False)  # fmt: skip

@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
 ANNBATCH_VENV = HERE / ".annbatch-venv"
-ANNBATCH_SPEC = "annbatch[zarrs]==0.3.1"
+ANNBATCH_SPEC = ("annbatch[zarrs]==0.3.1", "s3fs")
 
 
 # -- children: one epoch each, in a fresh process ------------------------------------------
@@ -69,7 +69,14 @@ def child_anndata(path: str, batch_size: int, options: dict) -> dict:
     import h5py
     import numpy as np
 
-    X = ad.io.sparse_dataset(h5py.File(path, "r")["X"])
+    storage_options = options.get("storage_options")
+    if storage_options is None:
+        X = ad.io.sparse_dataset(h5py.File(path, "r")["X"])
+    else:  # h5py reads through an fsspec file object: one ranged request per HDF5 read
+        import fsspec
+
+        handle = fsspec.filesystem("s3", **storage_options).open(path, "rb")
+        X = ad.io.sparse_dataset(h5py.File(handle, "r")["X"])
     order = np.random.default_rng(0).permutation(X.shape[0])
     max_batches = options.get("max_batches")
     t0 = time.perf_counter()
@@ -128,12 +135,12 @@ def annbatch_python(explicit: str | None) -> str:
         if base is None:
             raise RuntimeError("annbatch needs Python >= 3.12: pass --annbatch-python")
         subprocess.run([base, "-m", "venv", str(ANNBATCH_VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", ANNBATCH_SPEC], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *ANNBATCH_SPEC], check=True)
     return str(python)
 
 
 def s3_server(paths: dict[str, Path]):
-    """moto's S3 server on 127.0.0.1 with the deltacells dataset uploaded."""
+    """moto's S3 server on 127.0.0.1 with every input uploaded under its key in ``paths``."""
     import socket
 
     import boto3
@@ -148,11 +155,15 @@ def s3_server(paths: dict[str, Path]):
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
                           aws_access_key_id="x", aws_secret_access_key="x")  # fmt: skip
     client.create_bucket(Bucket="bench")
-    for p in paths["deltacells"].rglob("*"):
-        if p.is_file():
-            client.upload_file(str(p), "bench", f"dc/{p.relative_to(paths['deltacells'])}")
+    urls = {}
+    for key, path in paths.items():
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        for p in files:
+            name = key if p == path else f"{key}/{p.relative_to(path)}"
+            client.upload_file(str(p), "bench", name)
+        urls[key] = f"s3://bench/{key}"
     options = {"key": "x", "secret": "x", "client_kwargs": {"endpoint_url": endpoint}}
-    return server, "s3://bench/dc", options
+    return server, urls, options
 
 
 def plot(results: dict, path: Path) -> None:
@@ -227,10 +238,18 @@ def main() -> None:
         record(f"anndata backed h5ad gzip ({args.gzip_batches} batches)", me, "anndata",
                paths["h5ad_gzip"], {"max_batches": args.gzip_batches}, 1)  # fmt: skip
         if not args.no_s3:
-            server, url, options = s3_server(paths)
+            remote = {k: paths[k] for k in ("deltacells", "h5ad")}
+            if not args.no_annbatch:
+                remote["annbatch"] = collection
+            server, urls, options = s3_server(remote)
             try:
-                record("deltacells via S3 (moto)", me, "deltacells", url,
-                       {"storage_options": options}, 1)  # fmt: skip
+                so = {"storage_options": options}
+                record("deltacells via S3 (moto)", me, "deltacells", urls["deltacells"], so, 1)
+                if not args.no_annbatch:
+                    record("annbatch via S3 (moto)", python, "annbatch", urls["annbatch"], so, 1)
+                few = {**so, "max_batches": args.gzip_batches}
+                record(f"anndata backed h5ad via S3 ({args.gzip_batches} batches)", me,
+                       "anndata", urls["h5ad"], few, 1)  # fmt: skip
             finally:
                 server.stop()
     finally:
