@@ -5,7 +5,8 @@
 
 With ``convert_to``: make a shuffled annbatch collection from the h5ad at ``path``. Otherwise
 time one epoch over the collection at ``path`` with the README's settings and the zarrs
-pipeline, X only (as the deltacells run), and print the result as JSON.
+pipeline, X only (as the deltacells run), or over its first ``max_batches`` batches, and print
+the result as JSON.
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ def main(spec: dict) -> None:
         loader = loader.use_collection(
             collection, load_adata=lambda g: ad.AnnData(X=ad.io.sparse_dataset(g["X"]))
         )
+        max_batches = options.get("max_batches")
         t0 = time.perf_counter()
         cells = 0
-        for batch in loader:
+        for i, batch in enumerate(loader):
+            if max_batches is not None and i >= max_batches:
+                break
             cells += batch["X"].shape[0]
         seconds = time.perf_counter() - t0
     # VmHWM: this process's own peak (ru_maxrss would carry the parent's across exec).

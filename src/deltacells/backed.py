@@ -17,7 +17,7 @@ from numpy.typing import DTypeLike
 from deltacells import _kernels
 from deltacells._parallel import effective_n_threads
 from deltacells.codec import Tile, _value_dtype, empty_output
-from deltacells.dataset import Dataset, open_dataset
+from deltacells.dataset import Dataset, gather_cells, group_by_tile, open_dataset
 from deltacells.manifest import OBS_INDEX_COLUMN, tile_name
 from deltacells.obscache import ObsCache
 
@@ -199,24 +199,9 @@ class DeltacellsCSRDataset(CSRDataset):
         n_genes = self.shape[1]
         if rows.size == 0:
             return sp.csr_matrix((0, n_genes), dtype=self.dtype)
-        which = np.searchsorted(self._limits, rows, side="right")
-        by_tile = np.argsort(which, kind="stable")
-        touched, first = np.unique(which[by_tile], return_index=True)
-        groups = np.split(by_tile, first[1:])
+        touched, groups, local = group_by_tile(rows, self._limits)
         tiles = self.tiles(touched.tolist())
-        local = rows - self._starts[which]
-        lengths = np.empty(len(rows), dtype=np.int64)
-        for tile, mine in zip(tiles, groups, strict=True):
-            lengths[mine] = tile.row_lengths(local[mine])
-        indptr = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=indptr[1:])
-        indices = empty_output(int(indptr[-1]), np.int32)
-        values = empty_output(int(indptr[-1]), self.dtype)
-        for tile, mine in zip(tiles, groups, strict=True):
-            tile.gather_into(local, indptr, indices, values, positions=mine,
-                             n_threads=self.n_threads)  # fmt: skip
-        matrix = sp.csr_matrix((values, indices, indptr), shape=(len(rows), n_genes), copy=False)
-        matrix.has_canonical_format = True
+        matrix = gather_cells(tiles, groups, local, n_genes, self.dtype, self.n_threads)
         return self._present(matrix)
 
     def __getitem__(self, index: Any) -> sp.csr_matrix | float:

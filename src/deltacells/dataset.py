@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import scipy.sparse as sp
 
-from deltacells.codec import Tile
+from deltacells.codec import Tile, empty_output
 from deltacells.format import FormatError
 from deltacells.manifest import (
     GENE_ORDER_NAME,
@@ -30,7 +31,7 @@ from deltacells.manifest import (
 )
 from deltacells.storage import Store, open_store
 
-__all__ = ["Dataset", "open_dataset"]
+__all__ = ["Dataset", "gather_cells", "group_by_tile", "open_dataset"]
 
 
 class Dataset:
@@ -301,3 +302,43 @@ def open_dataset(
     text = store.read_bytes(MANIFEST_NAME)
     manifest = Manifest.from_json_text(text, store.describe(MANIFEST_NAME))
     return Dataset(store, manifest)
+
+
+def group_by_tile(
+    cells: np.ndarray, tile_limits: np.ndarray
+) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+    """Split cell positions by the tile they live in.
+
+    ``tile_limits[t]`` is one past tile ``t``'s last cell. Returns the touched tiles
+    (increasing), for each the positions in ``cells`` that fall in it, and every cell's
+    position within its tile.
+    """
+    which = np.searchsorted(tile_limits, cells, side="right")
+    starts = np.concatenate([[0], tile_limits[:-1]]).astype(np.int64)
+    by_tile = np.argsort(which, kind="stable")
+    touched, first = np.unique(which[by_tile], return_index=True)
+    return touched, np.split(by_tile, first[1:]), cells - starts[which]
+
+
+def gather_cells(
+    tiles: list[Tile],
+    groups: list[np.ndarray],
+    local: np.ndarray,
+    n_genes: int,
+    values_dtype: np.dtype,
+    n_threads: int | None,
+) -> sp.csr_matrix:
+    """One CSR of the cells ``local`` (positions within their tiles), row ``j`` decoded by the
+    tile whose group holds ``j``, straight into its place; only touched chunks are read."""
+    lengths = np.empty(len(local), dtype=np.int64)
+    for tile, mine in zip(tiles, groups, strict=True):
+        lengths[mine] = tile.row_lengths(local[mine])
+    indptr = np.zeros(len(local) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=indptr[1:])
+    indices = empty_output(int(indptr[-1]), np.int32)
+    values = empty_output(int(indptr[-1]), values_dtype)
+    for tile, mine in zip(tiles, groups, strict=True):
+        tile.gather_into(local, indptr, indices, values, positions=mine, n_threads=n_threads)
+    matrix = sp.csr_matrix((values, indices, indptr), shape=(len(local), n_genes), copy=False)
+    matrix.has_canonical_format = True
+    return matrix

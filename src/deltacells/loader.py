@@ -35,7 +35,7 @@ from numpy.typing import DTypeLike
 from deltacells import _kernels
 from deltacells._parallel import effective_n_threads
 from deltacells.codec import Tile, _value_dtype, empty_output
-from deltacells.dataset import Dataset, open_dataset
+from deltacells.dataset import Dataset, gather_cells, group_by_tile, open_dataset
 from deltacells.obscache import ObsCache
 
 __all__ = ["Batch", "Loader", "plan_epoch"]
@@ -463,11 +463,7 @@ class _BatchBuilder:
 
     def build(self, cells: np.ndarray) -> Batch:
         loader = self.loader
-        tiles_of = np.searchsorted(loader._starts, cells, side="right") - 1
-        local = cells - loader._starts[tiles_of]
-        by_tile = np.argsort(tiles_of, kind="stable")
-        touched, first = np.unique(tiles_of[by_tile], return_index=True)
-        groups = np.split(by_tile, first[1:])
+        touched, groups, local = group_by_tile(cells, loader._starts[1:])
         if loader.shuffle == "cells":
             matrix, totals = self._gather_compressed(touched, groups, local)
         else:
@@ -504,21 +500,13 @@ class _BatchBuilder:
     def _gather_compressed(self, touched, groups, local) -> tuple[sp.csr_matrix, np.ndarray]:
         loader = self.loader
         tiles = [self._compressed(int(t)) for t in touched]
-        lengths = np.empty(len(local), dtype=np.int64)
-        for tile, mine in zip(tiles, groups, strict=True):
-            lengths[mine] = tile.row_lengths(local[mine])
-        indptr = np.zeros(len(local) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=indptr[1:])
-        indices = empty_output(int(indptr[-1]), np.int32)
-        values = empty_output(int(indptr[-1]), loader.dtype)
-        for tile, mine in zip(tiles, groups, strict=True):
-            tile.gather_into(local, indptr, indices, values, positions=mine,
-                             n_threads=self.n_threads)  # fmt: skip
-        totals = _kernels.row_sums(indptr, values, self.n_threads)
-        shape = (len(local), loader.dataset.shape[1])
-        matrix = sp.csr_matrix((values, indices, indptr), shape=shape, copy=False)
+        matrix = gather_cells(tiles, groups, local, loader.dataset.shape[1], loader.dtype,
+                              self.n_threads)  # fmt: skip
+        indptr, indices, values = matrix.indptr, matrix.indices, matrix.data
+        totals = _kernels.row_sums(indptr.astype(np.int64, copy=False), values, self.n_threads)
         if loader._col_map is not None:
-            out = _kernels.remap_columns(indptr, indices, values, loader._col_map,
+            out = _kernels.remap_columns(indptr.astype(np.int64, copy=False), indices, values,
+                                         loader._col_map,
                                          self.n_out_cols, self.n_threads)  # fmt: skip
             matrix = sp.csr_matrix((out[2], out[1], out[0]), shape=(len(local), self.n_out_cols),
                                    copy=False)  # fmt: skip
