@@ -179,7 +179,8 @@ def plot(results: dict, path: Path) -> None:
     names = list(runs)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     axes[0].barh(names, [runs[n]["cells_per_s"] for n in names], color="tab:blue")
-    axes[0].set_xlabel("cells / s (higher is better)")
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("cells / s, log scale (higher is better)")
     axes[1].barh(names, [runs[n]["peak_rss_mb"] for n in names], color="tab:orange")
     axes[1].set_xlabel("peak RSS, MB (lower is better)")
     axes[1].set_yticks([])
@@ -201,9 +202,13 @@ def main() -> None:
     parser.add_argument("--no-annbatch", action="store_true")
     parser.add_argument("--no-s3", action="store_true")
     parser.add_argument("--annbatch-python")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from --json")
     parser.add_argument("--json", type=Path, default=HERE / "results" / "loader.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "_static" / "bench_loader.png")
     args = parser.parse_args()
+    if args.plot_only:
+        plot(json.loads(args.json.read_text()), args.plot)
+        return
     from _common import machine
 
     me = sys.executable
