@@ -284,3 +284,29 @@ def test_decoded_tiles_are_dropped_after_their_last_batch(pair, monkeypatch):
     # A 64-cell batch from a 2-tile buffer needs those 2 tiles, or 4 when it straddles two
     # buffers; nothing else stays decoded.
     assert max(held) <= 4 and min(held) >= 1
+
+
+def test_a_damaged_tile_raises_in_the_consumer_and_stopping_early_ends_the_thread(pair, tmp_path):
+    import shutil
+    import threading
+    import time
+
+    url, _ = pair
+    copy = tmp_path / "d"
+    shutil.copytree(url, copy)
+    tile = copy / "tiles" / "tile_000003.dct"
+    blob = bytearray(tile.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    tile.write_bytes(bytes(blob))
+    with pytest.raises(dc.FormatError, match="tile_000003"):
+        for _ in dc.Loader(copy, batch_size=64, shuffle="none"):
+            pass
+    iterator = iter(dc.Loader(url, batch_size=16, prefetch=1))
+    next(iterator)
+    iterator.close()  # the consumer stops early: the background thread must end too
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(
+        t.name == "deltacells-loader" for t in threading.enumerate()
+    ):
+        time.sleep(0.05)
+    assert not any(t.name == "deltacells-loader" for t in threading.enumerate())
