@@ -271,6 +271,7 @@ class DeltacellsCSRDataset(CSRDataset):
         values = empty_output(nnz, self.dtype)
         indptr = np.zeros(m.n_cells + 1, dtype=np.int64)
         offset = 0
+        threads = effective_n_threads(self.n_threads)
         store = self.dataset.store
         # Remote tiles are fetched a few ahead while the current one decodes; local reads are
         # quick next to decoding and would only contend with it for the cores.
@@ -285,12 +286,16 @@ class DeltacellsCSRDataset(CSRDataset):
                 tile = self.dataset.tile(t, n_threads=self.n_threads, blob=blob)
             end = offset + tile.nnz
             tile.decode_into(indices[offset:end], values[offset:end], n_threads=self.n_threads)
+            if self._to_source is not None and tile.nnz:
+                # Each tile is renumbered while its output is still warm in the caches.
+                _kernels.permute_columns(tile.indptr, indices[offset:end], values[offset:end],
+                                         self._to_source, threads)  # fmt: skip
             start = int(self._starts[t])
             indptr[start + 1 : start + tile.shape[0] + 1] = tile.indptr[1:] + offset
             offset += tile.nnz
         matrix = sp.csr_matrix((values, indices, indptr), shape=self.shape, copy=False)
         matrix.has_canonical_format = True
-        return self._present(matrix)
+        return matrix
 
 
 def _register_with_anndata() -> None:
