@@ -59,3 +59,56 @@ def save_figure(fig, path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+
+
+def stacked_adata(source: Path, n_cells: int, seed: int = 0):
+    """``source`` (an .h5ad) stacked with shuffled rows up to ``n_cells`` cells, as an AnnData
+    with unique obs names: the larger inputs every benchmark uses."""
+    import anndata as ad
+    import numpy as np
+    import scipy.sparse as sp
+
+    base = ad.read_h5ad(source)
+    rows = np.random.default_rng(seed).integers(0, base.n_obs, n_cells)
+    obs = base.obs.iloc[rows].copy()
+    obs.index = [f"{name}-{i}" for i, name in enumerate(obs.index)]
+    return ad.AnnData(X=sp.csr_matrix(base.X)[rows], obs=obs, var=base.var)
+
+
+class MotoS3:
+    """moto's S3 server on a free port of 127.0.0.1 with one bucket (a context manager).
+
+    ``upload(key, path)`` puts a file or a folder's files under ``key`` and returns its
+    ``s3://`` URL; ``options`` are the s3fs storage options that reach the server.
+    """
+
+    def __init__(self, bucket: str = "bench") -> None:
+        self.bucket = bucket
+
+    def __enter__(self) -> MotoS3:
+        import socket
+
+        import boto3
+        from moto.server import ThreadedMotoServer
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+        self.server.start()
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self.client = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                                   aws_access_key_id="x", aws_secret_access_key="x")  # fmt: skip
+        self.client.create_bucket(Bucket=self.bucket)
+        self.options = {"key": "x", "secret": "x", "client_kwargs": {"endpoint_url": self.endpoint}}
+        return self
+
+    def upload(self, key: str, path: Path) -> str:
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        for p in files:
+            name = key if p == path else f"{key}/{p.relative_to(path)}"
+            self.client.upload_file(str(p), self.bucket, name)
+        return f"s3://{self.bucket}/{key}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.stop()

@@ -110,16 +110,12 @@ def run_child(python: str, tool: str, path: str, batch_size: int, options: dict)
 
 
 def make_inputs(source: Path, n_cells: int, workdir: Path) -> dict[str, Path]:
-    import anndata as ad
-    import numpy as np
-    import scipy.sparse as sp
+    """The stacked input as uncompressed and gzip .h5ad and as a deltacells dataset."""
+    from _common import stacked_adata
 
     import deltacells as dc
 
-    base = ad.read_h5ad(source)
-    rows = np.random.default_rng(0).integers(0, base.n_obs, n_cells)
-    adata = ad.AnnData(X=sp.csr_matrix(base.X)[rows], obs=base.obs.iloc[rows].copy(), var=base.var)
-    adata.obs_names = [f"{name}-{i}" for i, name in enumerate(adata.obs_names)]
+    adata = stacked_adata(source, n_cells)
     paths = {"h5ad": workdir / "plain.h5ad", "h5ad_gzip": workdir / "gzip.h5ad",
              "deltacells": workdir / "x.dc"}  # fmt: skip
     adata.write_h5ad(paths["h5ad"])
@@ -140,33 +136,6 @@ def annbatch_python(explicit: str | None) -> str:
         subprocess.run([base, "-m", "venv", str(ANNBATCH_VENV)], check=True)
         subprocess.run([str(python), "-m", "pip", "install", "-q", *ANNBATCH_SPEC], check=True)
     return str(python)
-
-
-def s3_server(paths: dict[str, Path]):
-    """moto's S3 server on 127.0.0.1 with every input uploaded under its key in ``paths``."""
-    import socket
-
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                          aws_access_key_id="x", aws_secret_access_key="x")  # fmt: skip
-    client.create_bucket(Bucket="bench")
-    urls = {}
-    for key, path in paths.items():
-        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-        for p in files:
-            name = key if p == path else f"{key}/{p.relative_to(path)}"
-            client.upload_file(str(p), "bench", name)
-        urls[key] = f"s3://bench/{key}"
-    options = {"key": "x", "secret": "x", "client_kwargs": {"endpoint_url": endpoint}}
-    return server, urls, options
 
 
 def plot(results: dict, path: Path) -> None:
@@ -249,9 +218,11 @@ def main() -> None:
             remote = {k: paths[k] for k in ("deltacells", "h5ad")}
             if not args.no_annbatch:
                 remote["annbatch"] = collection
-            server, urls, options = s3_server(remote)
-            try:
-                so = {"storage_options": options}
+            from _common import MotoS3
+
+            with MotoS3() as s3:
+                urls = {key: s3.upload(key, path) for key, path in remote.items()}
+                so = {"storage_options": s3.options}
                 record("deltacells via S3 (moto)", me, "deltacells", urls["deltacells"], so, 1)
                 few = {**so, "max_batches": args.gzip_batches}
                 if not args.no_annbatch:
@@ -259,8 +230,6 @@ def main() -> None:
                            urls["annbatch"], few, 1)  # fmt: skip
                 record(f"anndata backed h5ad via S3 ({args.gzip_batches} batches)", me,
                        "anndata", urls["h5ad"], few, 1)  # fmt: skip
-            finally:
-                server.stop()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     results = {"machine": machine(), "command": "python benchmarks/bench_loader.py",

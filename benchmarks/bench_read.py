@@ -15,16 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 
 import anndata as ad
 import h5py
 import numpy as np
-import scipy.sparse as sp
 import zarr
-from _common import machine, median_time, save_figure
+from _common import MotoS3, machine, median_time, save_figure, stacked_adata
 
 import deltacells as dc
 from deltacells.obscache import ObsCache
@@ -34,10 +32,7 @@ DEFAULT_DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
 
 
 def make_inputs(source: Path, n_cells: int, workdir: Path) -> dict[str, Path]:
-    base = ad.read_h5ad(source)
-    rows = np.random.default_rng(0).integers(0, base.n_obs, n_cells)
-    adata = ad.AnnData(X=sp.csr_matrix(base.X)[rows], obs=base.obs.iloc[rows].copy(), var=base.var)
-    adata.obs_names = [f"{name}-{i}" for i, name in enumerate(adata.obs_names)]
+    adata = stacked_adata(source, n_cells)
     paths = {
         "h5ad_gzip": workdir / "gzip.h5ad",
         "h5ad": workdir / "plain.h5ad",
@@ -165,25 +160,12 @@ def opening_cost(path: Path, repeats: int, cache_dir: Path) -> dict:
 
 def s3_suite(paths: dict[str, Path], n_cells: int, repeats: int, cache_dir: Path) -> dict:
     """The same reads through moto's S3 server, with requests and bytes counted per tool."""
-    import boto3
     import s3fs
-    from moto.server import ThreadedMotoServer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                              aws_access_key_id="x", aws_secret_access_key="x")  # fmt: skip
-        client.create_bucket(Bucket="bench")
+    with MotoS3() as s3:
         for key in ("deltacells", "zarr"):
-            for p in paths[key].rglob("*"):
-                if p.is_file():
-                    client.upload_file(str(p), "bench", f"{key}/{p.relative_to(paths[key])}")
-        options = {"key": "x", "secret": "x", "client_kwargs": {"endpoint_url": endpoint}}
+            s3.upload(key, paths[key])
+        options = s3.options
         counts = {"requests": 0, "bytes": 0}
         original = s3fs.S3FileSystem._call_s3
 
@@ -226,8 +208,6 @@ def s3_suite(paths: dict[str, Path], n_cells: int, repeats: int, cache_dir: Path
             return result
         finally:
             s3fs.S3FileSystem._call_s3 = original
-    finally:
-        server.stop()
 
 
 def plot(results: dict, path: Path) -> None:

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import machine, save_figure
+from _common import machine, save_figure, stacked_adata
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
@@ -90,17 +90,7 @@ def run_job(job: str, src: Path, dst: Path, level: int) -> dict:
 
 def make_stacked(source: Path, n_cells: int, path: Path, seed: int = 0) -> None:
     """``source`` stacked with shuffled rows up to ``n_cells`` cells, written uncompressed."""
-    import anndata as ad
-    import numpy as np
-    import scipy.sparse as sp
-
-    base = ad.read_h5ad(source)
-    rng = np.random.default_rng(seed)
-    rows = rng.integers(0, base.n_obs, n_cells)
-    X = sp.csr_matrix(base.X)[rows]
-    obs = base.obs.iloc[rows].copy()
-    obs.index = [f"{name}-{i}" for i, name in enumerate(obs.index)]
-    ad.AnnData(X=X, obs=obs, var=base.var).write_h5ad(path)
+    stacked_adata(source, n_cells, seed).write_h5ad(path)
 
 
 def measure(job: str, src: Path, workdir: Path, level: int, repeats: int) -> dict:
