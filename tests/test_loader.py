@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 from conftest import DATA_DIR
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_writer import small_adata
 
 import deltacells as dc
@@ -310,3 +312,43 @@ def test_a_damaged_tile_raises_in_the_consumer_and_stopping_early_ends_the_threa
     ):
         time.sleep(0.05)
     assert not any(t.name == "deltacells-loader" for t in threading.enumerate())
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    tile_cells=st.lists(st.integers(0, 50), min_size=0, max_size=12),
+    batch_size=st.integers(1, 40),
+    world_size=st.integers(1, 5),
+    n_workers=st.integers(1, 4),
+    mode=st.sampled_from(MODES),
+    buffer_tiles=st.integers(1, 4),
+    drop_last=st.booleans(),
+)
+def test_epoch_split_covers_every_cell_as_documented(
+    tile_cells, batch_size, world_size, n_workers, mode, buffer_tiles, drop_last
+):
+    from deltacells.loader import split_batches
+
+    order = plan_epoch(tile_cells, shuffle=mode, buffer_tiles=buffer_tiles, seed=5, epoch=2)
+    n = sum(tile_cells)
+    np.testing.assert_array_equal(np.sort(order), np.arange(n))
+    per_rank, cells = [], []
+    for rank in range(world_size):
+        runs = [split_batches(order, batch_size, rank=rank, world_size=world_size,
+                              worker=(w, n_workers), drop_last=drop_last)
+                for w in range(n_workers)]  # fmt: skip
+        lengths = [len(run) for run in runs]
+        assert max(lengths) - min(lengths) <= 1 and lengths == sorted(lengths, reverse=True)
+        per_rank.append(sum(lengths))
+        cells.extend(np.concatenate(run) for run in runs if run)
+    assert len(set(per_rank)) == 1  # every rank yields as many batches
+    seen = np.concatenate(cells) if cells else np.zeros(0, dtype=np.int64)
+    counts = np.bincount(seen, minlength=n)
+    if drop_last:
+        assert counts.max(initial=0) <= 1
+        full = (n // world_size) // batch_size * batch_size
+        assert len(seen) == full * world_size
+    else:
+        # Every cell once, plus the wrapped-around padding from the start of the order.
+        padded = np.resize(order, -(-n // world_size) * world_size) if n else order
+        np.testing.assert_array_equal(counts, np.bincount(padded, minlength=n))

@@ -38,7 +38,7 @@ from deltacells.codec import Tile, _value_dtype, empty_output
 from deltacells.dataset import Dataset, gather_cells, group_by_tile, open_dataset
 from deltacells.obscache import ObsCache
 
-__all__ = ["Batch", "Loader", "plan_epoch"]
+__all__ = ["Batch", "Loader", "plan_epoch", "split_batches"]
 
 SHUFFLE_MODES = ("tiles", "cells", "none")
 OUTPUTS = ("scipy", "numpy", "torch", "torch_dense")
@@ -77,8 +77,23 @@ def plan_epoch(
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
 
 
-def _shard(order: np.ndarray, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
-    """Rank ``rank``'s contiguous part, all parts equally long (wrapped padding or dropping)."""
+def split_batches(
+    order: np.ndarray,
+    batch_size: int,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    worker: tuple[int, int] = (0, 1),
+    drop_last: bool = False,
+) -> list[np.ndarray]:
+    """The batches of one rank and worker in an epoch's ``order`` of cells.
+
+    The order is cut into ``world_size`` contiguous, equally long parts (the shorter ones padded
+    by wrapping around to the start of the order, or all cut to the shortest with
+    ``drop_last``), each part into batches of ``batch_size`` (the last one short unless
+    ``drop_last``), and a rank's batches into contiguous runs for ``worker = (id, count)``,
+    the first runs one batch longer when they do not divide.
+    """
     n = len(order)
     if drop_last:
         length = n // world_size
@@ -86,7 +101,14 @@ def _shard(order: np.ndarray, rank: int, world_size: int, drop_last: bool) -> np
         length = -(-n // world_size)
         if length * world_size > n and n:
             order = np.concatenate([order, np.resize(order, length * world_size - n)])
-    return order[rank * length : (rank + 1) * length]
+    part = order[rank * length : (rank + 1) * length]
+    batches = [part[i : i + batch_size] for i in range(0, len(part), batch_size)]
+    if drop_last and batches and len(batches[-1]) < batch_size:
+        batches.pop()
+    worker_id, n_workers = worker
+    base, extra = divmod(len(batches), n_workers)
+    first = worker_id * base + min(worker_id, extra)
+    return batches[first : first + base + (worker_id < extra)]
 
 
 @dataclass
@@ -346,15 +368,8 @@ class Loader:
         order = plan_epoch(self.dataset.manifest.tile_cells, shuffle=self.shuffle,
                            buffer_tiles=self.buffer_tiles, seed=self.seed,
                            epoch=self.epoch)  # fmt: skip
-        part = _shard(order, self.rank, self.world_size, self.drop_last)
-        batches = [part[i : i + self.batch_size] for i in range(0, len(part), self.batch_size)]
-        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
-            batches.pop()
-        worker, n_workers = self._worker
-        # Contiguous runs per worker (locality); the first ones take one batch more.
-        base, extra = divmod(len(batches), n_workers)
-        first = worker * base + min(worker, extra)
-        return batches[first : first + base + (worker < extra)]
+        return split_batches(order, self.batch_size, rank=self.rank, world_size=self.world_size,
+                             worker=self._worker, drop_last=self.drop_last)  # fmt: skip
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (and worker)."""
