@@ -18,8 +18,14 @@ from deltacells.writer import write_deltacells
 def __getattr__(name: str):
     # The torch adapter imports torch (an optional extra) only when asked for.
     if name == "TorchIterableDataset":
-        from deltacells.torchdata import TorchIterableDataset
-
+        try:
+            from deltacells.torchdata import TorchIterableDataset
+        except ModuleNotFoundError as err:  # pragma: no cover - exercised without torch
+            if err.name != "torch":
+                raise
+            raise ImportError(
+                "TorchIterableDataset needs torch: pip install 'deltacells[torch]'"
+            ) from err
         return TorchIterableDataset
     raise AttributeError(f"module 'deltacells' has no attribute {name!r}")
 

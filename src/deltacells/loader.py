@@ -20,6 +20,7 @@ batch touches every tile).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import queue
 import threading
@@ -239,6 +240,8 @@ class Loader:
             raise ValueError(f"shuffle must be one of {SHUFFLE_MODES}, not {shuffle!r}")
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, not {output!r}")
+        if output.startswith("torch") and importlib.util.find_spec("torch") is None:
+            raise ImportError(f"output={output!r} needs torch: pip install 'deltacells[torch]'")
         if batch_size < 1 or buffer_tiles < 1 or prefetch < 1:
             raise ValueError("batch_size, buffer_tiles and prefetch must be at least 1")
         if column_order not in ("source", "stored"):
@@ -534,7 +537,12 @@ def _convert(matrix: sp.csr_matrix, output: str) -> Any:
         return matrix
     if output == "numpy":
         return matrix.toarray()
-    import torch
+    try:
+        import torch
+    except ModuleNotFoundError as err:  # pragma: no cover - exercised without torch
+        raise ImportError(
+            f"output={output!r} needs torch: pip install 'deltacells[torch]'"
+        ) from err
 
     if output == "torch_dense":
         return torch.from_numpy(matrix.toarray())
