@@ -76,6 +76,7 @@ def take_rows_into(
     out_data: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
     col_map: NDArray[np.int64] | None = None,
     n_threads: int = 1,
+    sort: bool = True,
 ) -> None: ...
 def normalize_rows(
     indptr: NDArray[np.int64],
@@ -90,3 +91,9 @@ def row_sums(
     data: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
     n_threads: int = 1,
 ) -> NDArray[np.float64]: ...
+def kept_per_row(
+    indptr: NDArray[np.int64],
+    indices: NDArray[np.int32],
+    col_map: NDArray[np.int64],
+    n_threads: int = 1,
+) -> NDArray[np.int64]: ...

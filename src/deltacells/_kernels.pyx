@@ -1020,6 +1020,27 @@ cdef inline int _row_to_mapped_order(const int32_t* idx, const value_t* val, int
     return OK
 
 
+cdef inline int _row_mapped_unsorted(const int32_t* idx, const value_t* val, int64_t n,
+                                     const int32_t* col_map, uint32_t n_map, int32_t* out_idx,
+                                     value_t* out_val, int64_t room) noexcept nogil:
+    """Renumber one row's columns through ``col_map`` (-1 drops) keeping their order; the kept
+    entries must fill ``room`` exactly."""
+    cdef int64_t i, o = 0
+    cdef int32_t c
+    for i in range(n):
+        if <uint32_t>idx[i] >= n_map:
+            return E_CELL_RANGE
+        c = col_map[idx[i]]
+        if c < 0:
+            continue
+        if o >= room:
+            return E_CELL_RANGE
+        out_idx[o] = c
+        out_val[o] = val[i]
+        o += 1
+    return OK if o == room else E_CELL_RANGE
+
+
 cdef enum:
     ROWS_PER_BLOCK = 256
 
@@ -1150,13 +1171,14 @@ def take_rows_into(const int64_t[::1] indptr, const int32_t[::1] indices,
                    const value_t[::1] data, const int64_t[::1] rows,
                    const int64_t[::1] positions, const int64_t[::1] out_indptr,
                    int32_t[::1] out_indices, value_t[::1] out_data, object col_map=None,
-                   int n_threads=1):
+                   int n_threads=1, bint sort=True):
     """Copy rows of a CSR matrix into given rows of another, optionally moving columns.
 
     Output row ``j = positions[k]`` receives input row ``rows[j]`` at
     ``out_indptr[j]:out_indptr[j + 1]``, which must be exactly as long as what it receives.
     With ``col_map`` (int64, -1 drops a column) every row is renumbered and sorted again as in
-    :func:`remap_columns`; rows run in parallel on ``n_threads``.
+    :func:`remap_columns`, or, with ``sort=False``, renumbered in place order (for outputs made
+    dense, where order does not matter); rows run in parallel on ``n_threads``.
     """
     cdef Py_ssize_t n_in = indptr.shape[0] - 1, n_pos = positions.shape[0], k
     cdef int64_t j, r, length, kept, n_map = 0, n_cols = 0
@@ -1203,6 +1225,11 @@ def take_rows_into(const int64_t[::1] indptr, const int32_t[::1] indices,
             if map_p == NULL:
                 memcpy(idx_out + out_indptr[j], &indices[indptr[r]], length * sizeof(int32_t))
                 memcpy(val_out + out_indptr[j], &data[indptr[r]], length * sizeof(value_t))
+            elif not sort:
+                status_v[k] = _row_mapped_unsorted(
+                    &indices[indptr[r]], &data[indptr[r]], length, map_p, <uint32_t>n_map,
+                    idx_out + out_indptr[j], val_out + out_indptr[j],
+                    out_indptr[j + 1] - out_indptr[j])
             elif bits == NULL or dense == NULL or cols == NULL:
                 status_v[k] = E_NOMEM
             else:
@@ -1260,4 +1287,25 @@ def row_sums(const int64_t[::1] indptr, const value_t[::1] data, int n_threads=1
             for i in range(indptr[r], indptr[r + 1]):
                 total = total + data[i]
             out_v[r] = total
+    return out
+
+
+def kept_per_row(const int64_t[::1] indptr, const int32_t[::1] indices,
+                 const int64_t[::1] col_map, int n_threads=1):
+    """Per row, how many of its columns ``col_map`` keeps (maps to >= 0)."""
+    cdef Py_ssize_t n_rows = indptr.shape[0] - 1, r
+    cdef int64_t i, kept, n_map = col_map.shape[0]
+    if n_rows < 0 or (n_rows > 0 and indices.shape[0] < indptr[n_rows]):
+        raise ValueError("indices do not match indptr")
+    for i in range(indptr[n_rows] if n_rows > 0 else 0):
+        if indices[i] < 0 or indices[i] >= n_map:
+            raise ValueError(f"column index {indices[i]} outside col_map")
+    out = np.zeros(max(n_rows, 0), dtype=np.int64)
+    cdef int64_t[::1] out_v = out
+    with nogil:
+        for r in prange(n_rows, num_threads=n_threads, schedule="static"):
+            kept = 0
+            for i in range(indptr[r], indptr[r + 1]):
+                kept = kept + (col_map[indices[i]] >= 0)
+            out_v[r] = kept
     return out

@@ -135,7 +135,7 @@ class Batch:
 class _DecodedTile:
     """A whole tile decoded once, with per-row totals and kept-column counts for batches."""
 
-    def __init__(self, tile: Tile, dtype: np.dtype, keep: np.ndarray | None, totals: bool,
+    def __init__(self, tile: Tile, dtype: np.dtype, col_map: np.ndarray | None, totals: bool,
                  n_threads: int, out: tuple[np.ndarray, np.ndarray]) -> None:  # fmt: skip
         self.buffers = out
         self.matrix = tile.decode(dtype, n_threads=n_threads, out=out)
@@ -144,12 +144,11 @@ class _DecodedTile:
         self.totals = (
             _kernels.row_sums(self.indptr, self.matrix.data, n_threads) if totals else None
         )
-        if keep is None:
+        if col_map is None:
             self.lengths = np.diff(self.indptr)
         else:
-            kept = keep[self.matrix.indices].astype(np.int64)
-            sums = np.concatenate([[0], np.cumsum(kept)])
-            self.lengths = sums[self.indptr[1:]] - sums[self.indptr[:-1]]
+            self.lengths = _kernels.kept_per_row(self.indptr, self.matrix.indices, col_map,
+                                                 n_threads)  # fmt: skip
         self.nbytes = self.matrix.data.nbytes + self.matrix.indices.nbytes
 
 
@@ -269,7 +268,7 @@ class Loader:
         self._batches_done = 0
         self._col_map, self.var_names = self._columns(genes, column_order)
         drops = self._col_map is not None and bool(np.any(self._col_map < 0))
-        self._keep = self._col_map >= 0 if drops else None  # only a subset changes row lengths
+        self._drop_map = self._col_map if drops else None  # only a subset changes row lengths
         self.obs_columns = list(obs)
         self._obs = self._load_obs(self.obs_columns, cache_dir)
         m = self.dataset.manifest
@@ -453,8 +452,9 @@ class _BatchBuilder:
             out = self.spare.pop() if self.spare else (
                 empty_output(self.capacity, np.int32), empty_output(self.capacity, loader.dtype)
             )  # fmt: skip
-            tile = _DecodedTile(parsed, loader.dtype, loader._keep, loader.normalize is not None,
-                                self.n_threads, out)  # fmt: skip
+            totals = loader.normalize is not None
+            tile = _DecodedTile(parsed, loader.dtype, loader._drop_map, totals, self.n_threads,
+                                out)  # fmt: skip
             self.decoded[t] = tile
         return tile
 
@@ -495,6 +495,8 @@ class _BatchBuilder:
 
     def _take_decoded(self, touched, groups, local) -> tuple[sp.csr_matrix, np.ndarray]:
         loader = self.loader
+        # Dense outputs do not care in which order a row's entries come: skip the sort.
+        sort = loader.output in ("scipy", "torch")
         decoded = [self._decoded(int(t)) for t in touched]
         lengths = np.empty(len(local), dtype=np.int64)
         totals = np.zeros(len(local), dtype=np.float64)
@@ -509,10 +511,10 @@ class _BatchBuilder:
         for tile, mine in zip(decoded, groups, strict=True):
             m = tile.matrix
             _kernels.take_rows_into(tile.indptr, m.indices, m.data, local, mine, indptr, indices,
-                                    values, loader._col_map, self.n_threads)  # fmt: skip
+                                    values, loader._col_map, self.n_threads, sort)  # fmt: skip
         shape = (len(local), self.n_out_cols)
         matrix = sp.csr_matrix((values, indices, indptr), shape=shape, copy=False)
-        matrix.has_canonical_format = True
+        matrix.has_canonical_format = sort
         return matrix, totals
 
     def _gather_compressed(self, touched, groups, local) -> tuple[sp.csr_matrix, np.ndarray]:
