@@ -271,6 +271,24 @@ def test_take_rows_kernel_checks_its_output_rows():
         _kernels.take_rows_into(indptr, matrix.indices, matrix.data, rows,
                                 np.arange(2, dtype=np.int64), out_indptr,
                                 np.empty(2, np.int32), np.empty(2, np.float32))  # fmt: skip
+    col_map = np.arange(20, dtype=np.int64)
+    col_map[::2] = -1
+    kept = _kernels.kept_per_row(indptr, matrix.indices, col_map, 2)
+    np.testing.assert_array_equal(kept, [np.sum(matrix[r].indices % 2) for r in range(10)])
+    with pytest.raises(ValueError, match="outside col_map"):
+        _kernels.kept_per_row(indptr, matrix.indices, col_map[:5], 2)
+    lengths = kept[rows]
+    good = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    out = np.empty(int(good[-1]) + 1, np.int32), np.empty(int(good[-1]) + 1, np.float32)
+    both = np.arange(2, dtype=np.int64)
+    _kernels.take_rows_into(indptr, matrix.indices, matrix.data, rows, both, good, *out,
+                            col_map, 2, False)  # fmt: skip
+    assert np.all(out[0][: good[-1]] % 2 == 1)
+    short = good.copy()
+    short[1:] -= 1  # one entry too few for row 3
+    with pytest.raises(ValueError, match="wrong length"):
+        _kernels.take_rows_into(indptr, matrix.indices, matrix.data, rows, both, short, *out,
+                                col_map, 2, False)  # fmt: skip
 
 
 def test_decoded_tiles_are_dropped_after_their_last_batch(pair, monkeypatch):
