@@ -313,6 +313,42 @@ cdef void _give_back_dctx(object taken):
     _idle_dctx.extend(int(a) for a in taken)
 
 
+# Scratch buffers for decompressed planes, kept between calls like the contexts: a fresh
+# malloc of a few MiB is a fresh mmap, whose pages fault in one by one on every call.
+_idle_scratch = []
+_scratch_sizes = {}
+_MAX_IDLE_SCRATCH = 8
+
+
+cdef object _take_scratch(int n, int64_t size):
+    """Addresses of ``n`` buffers of at least ``size`` bytes, reused when idle ones exist."""
+    cdef void* fresh
+    taken = np.zeros(n, dtype=np.uintp)
+    for i in range(n):
+        address = _idle_scratch.pop() if _idle_scratch else 0
+        if address and _scratch_sizes[address] < size:
+            del _scratch_sizes[address]
+            free(<void*><size_t>address)
+            address = 0
+        if not address:
+            fresh = malloc(size)
+            if fresh == NULL:
+                _give_back_scratch(taken[:i])
+                raise MemoryError(f"could not allocate {size} bytes of decoding scratch")
+            address = <size_t>fresh
+            _scratch_sizes[address] = size
+        taken[i] = address
+    return taken
+
+
+cdef void _give_back_scratch(object taken):
+    _idle_scratch.extend(int(a) for a in taken)
+    while len(_idle_scratch) > _MAX_IDLE_SCRATCH:
+        address = _idle_scratch.pop(0)
+        del _scratch_sizes[address]
+        free(<void*><size_t>address)
+
+
 cdef struct Chunk:
     # One chunk being decoded: its exception lists and one stream's byte planes at a time
     # (gaps, then values), so the scratch a thread touches stays small enough for its cache.
@@ -643,7 +679,7 @@ cdef void _decode_jobs(const uint8_t* blob, const int64_t[:, ::1] chunks,
                        const int64_t[:, ::1] exc, int64_t n_genes, const int64_t* indptr,
                        const int64_t* rows, const int64_t* order, const int64_t* job_chunks,
                        const int64_t* job_starts, Py_ssize_t n_jobs, const int64_t* out_indptr,
-                       int32_t* idx_out, value_t* val_out, int64_t scratch_size, int n_threads,
+                       int32_t* idx_out, value_t* val_out, const size_t* scratches, int n_threads,
                        const size_t* contexts, int32_t* status, int64_t* detail) noexcept nogil:
     """Run ``_decode_chunk`` for every job in parallel (a job is one chunk).
 
@@ -657,7 +693,7 @@ cdef void _decode_jobs(const uint8_t* blob, const int64_t[:, ::1] chunks,
     cdef Chunk* chunk
     with parallel(num_threads=n_threads):
         dctx = <ZSTD_DCtx*>contexts[threadid()]
-        scratch = <uint8_t*>malloc(scratch_size)
+        scratch = <uint8_t*>scratches[threadid()]
         chunk = <Chunk*>malloc(sizeof(Chunk))
         for g in prange(n_jobs, schedule="dynamic"):
             if dctx == NULL or scratch == NULL or chunk == NULL:
@@ -668,7 +704,6 @@ cdef void _decode_jobs(const uint8_t* blob, const int64_t[:, ::1] chunks,
                 dctx, blob, &chunks[c, 0], exc[c, 0], exc[c, 1], n_genes, indptr, rows, order,
                 0 if rows == NULL else job_starts[g], 0 if rows == NULL else job_starts[g + 1],
                 out_indptr, idx_out, val_out, scratch, chunk, &detail[g])
-        free(scratch)
         free(chunk)
 
 
@@ -694,14 +729,17 @@ def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
     cdef int32_t* idx_out = &indices[0] if indices.shape[0] else NULL
     cdef value_t* val_out = &values[0] if values.shape[0] else NULL
     contexts = _take_dctx(n_threads)
+    scratches = _take_scratch(n_threads, scratch_size)
     cdef const size_t[::1] contexts_v = contexts
+    cdef const size_t[::1] scratches_v = scratches
     try:
         with nogil:
             _decode_jobs(&blob[0], chunks, exc, n_genes, &indptr[0], NULL, NULL, NULL, NULL,
-                         n_chunks, NULL, idx_out, val_out, scratch_size, n_threads,
+                         n_chunks, NULL, idx_out, val_out, &scratches_v[0], n_threads,
                          &contexts_v[0], &status_v[0], &detail_v[0])
     finally:
         _give_back_dctx(contexts)
+        _give_back_scratch(scratches)
     _raise_status(status, detail, where)
 
 
@@ -739,23 +777,27 @@ def gather_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
     cdef int32_t* idx_out = &indices[0] if indices.shape[0] else NULL
     cdef value_t* val_out = &values[0] if values.shape[0] else NULL
     contexts = _take_dctx(n_threads)
+    scratches = _take_scratch(n_threads, scratch_size)
     cdef const size_t[::1] contexts_v = contexts
+    cdef const size_t[::1] scratches_v = scratches
     try:
         with nogil:
             _decode_jobs(&blob[0], chunks, exc, n_genes, &indptr[0], &rows[0], &order[0],
                          &group_chunks[0], &group_starts[0], n_groups, &out_indptr[0], idx_out,
-                         val_out, scratch_size, n_threads, &contexts_v[0], &status_v[0],
+                         val_out, &scratches_v[0], n_threads, &contexts_v[0], &status_v[0],
                          &detail_v[0])
     finally:
         _give_back_dctx(contexts)
+        _give_back_scratch(scratches)
     _raise_status(status, detail, where, np.asarray(group_chunks))
 
 
 def decompress_only(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, int n_threads):
     """Decompress the gaps and values frames of every chunk and do nothing else.
 
-    The speed limit for :func:`decode_into`: the same frames through the same libzstd into a
-    reused per-thread buffer, with no post-processing. Returns the decompressed byte count.
+    The speed limit for :func:`decode_into`: the same frames through the same libzstd into
+    per-thread buffers from the same pool, with no post-processing. Returns the decompressed
+    byte count.
     """
     cdef Py_ssize_t n_chunks = chunks.shape[0]
     cdef Py_ssize_t c
@@ -768,10 +810,12 @@ def decompress_only(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, int n
     for c in range(n_chunks):
         largest = max(largest, 4 * (chunks[c, NNZ_HI] - chunks[c, NNZ_LO]))
     contexts = _take_dctx(n_threads)
+    scratches = _take_scratch(n_threads, largest)
     cdef const size_t[::1] contexts_v = contexts
+    cdef const size_t[::1] scratches_v = scratches
     with nogil, parallel(num_threads=n_threads):
         dctx = <ZSTD_DCtx*>contexts_v[threadid()]
-        scratch = <uint8_t*>malloc(largest)
+        scratch = <uint8_t*>scratches_v[threadid()]
         for c in prange(n_chunks, schedule="dynamic"):
             n = chunks[c, NNZ_HI] - chunks[c, NNZ_LO]
             got = ZSTD_decompressDCtx(dctx, scratch, 2 * n, base + chunks[c, 4], chunks[c, 5])
@@ -782,8 +826,8 @@ def decompress_only(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, int n
             if ZSTD_isError(got):
                 failed += 1
             total += 4 * n
-        free(scratch)
     _give_back_dctx(contexts)
+    _give_back_scratch(scratches)
     if failed:
         raise FormatError("zstd decompression failed")
     return total
