@@ -18,7 +18,7 @@ from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_
 from libc.stdlib cimport calloc, free, malloc
 from cython cimport floating
 from libc.math cimport log1p as c_log1p
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy
 
 import numpy as np
 
@@ -1035,8 +1035,9 @@ cdef inline int _row_to_mapped_order(const int32_t* idx, const value_t* val, int
     array), then read back in bit order into ``cols``: linear in nnz plus one word per 64
     columns spanned, and it works in place (``out_* == idx/val``) because every input is read
     first. ``col_map`` values must be < the bitmap's columns (the caller checks once).
-    Returns E_CELL_RANGE for a column outside col_map, E_ZERO_GAP for two columns mapped to
-    one (found as fewer bits than columns kept).
+    Returns E_CELL_RANGE for a column outside col_map (before touching the bitmap), E_ZERO_GAP
+    for two columns mapped to one (found as fewer bits than columns kept); either way the
+    bitmap is left clear for the thread's next row.
     """
     cdef int64_t i, c, w, lo_word = INT64_MAX, hi_word = -1, o, n_kept = 0
     cdef uint32_t outside = 0
@@ -1121,8 +1122,6 @@ cdef void _remap_rows(const int64_t* indptr, const int32_t* indices, const value
                 if st != OK:
                     status[block] = st
                     bad_row[block] = r
-                    # a failed row may leave bits set: clear them for the thread's next block
-                    memset(bits, 0, ((n_out_cols >> 6) + 1) * sizeof(uint64_t))
                     break
         free(bits)
         free(dense)
@@ -1177,20 +1176,12 @@ def remap_columns(const int64_t[::1] indptr, const int32_t[::1] indices,
     """
     cdef Py_ssize_t n_rows = indptr.shape[0] - 1
     cdef int64_t nnz = indptr[n_rows] if n_rows >= 0 else 0
-    cdef int64_t i, r, kept, n_map = col_map.shape[0]
     if n_rows < 0 or indices.shape[0] < nnz or data.shape[0] < nnz:
         raise ValueError("indptr does not match indices / data")
     out_indptr = np.zeros(n_rows + 1, dtype=np.int64)
-    cdef int64_t[::1] out_indptr_v = out_indptr
-    with nogil:
-        for r in range(n_rows):
-            kept = 0
-            for i in range(indptr[r], indptr[r + 1]):
-                if indices[i] >= 0 and indices[i] < n_map:
-                    kept = kept + (col_map[indices[i]] >= 0)
-            out_indptr_v[r + 1] = out_indptr_v[r] + kept
-    out_indices = np.empty(out_indptr_v[n_rows], dtype=np.int32)
-    out_data = np.empty(out_indptr_v[n_rows], dtype=np.asarray(data).dtype)
+    np.cumsum(kept_per_row(indptr, indices, col_map, n_threads), out=out_indptr[1:])
+    out_indices = np.empty(out_indptr[n_rows], dtype=np.int32)
+    out_data = np.empty(out_indptr[n_rows], dtype=np.asarray(data).dtype)
     _run_remap(indptr, indices, data, col_map, n_out_cols, out_indptr, out_indices, out_data,
                n_threads)
     return out_indptr, out_indices, out_data
@@ -1282,8 +1273,6 @@ def take_rows_into(const int64_t[::1] indptr, const int32_t[::1] indices,
                     bits, dense, cols, idx_out + out_indptr[j], val_out + out_indptr[j], &kept)
                 if status_v[k] == OK and kept != out_indptr[j + 1] - out_indptr[j]:
                     status_v[k] = E_CELL_RANGE
-                if status_v[k] != OK:
-                    memset(bits, 0, ((n_cols >> 6) + 1) * sizeof(uint64_t))
         free(bits)
         free(dense)
         free(cols)

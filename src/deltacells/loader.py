@@ -272,7 +272,7 @@ class Loader:
         self.obs_columns = list(obs)
         self._obs = self._load_obs(self.obs_columns, cache_dir)
         m = self.dataset.manifest
-        self._starts = np.concatenate([[0], np.cumsum(m.tile_cells)]).astype(np.int64)
+        self._limits = m.limits  # one past each tile's last cell
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -438,9 +438,9 @@ class _BatchBuilder:
         # The last batch that needs each tile: a decoded tile is dropped right after it, so
         # memory holds only the tiles still to be used (about one buffer), and its buffers
         # are reused for the next tile instead of fresh pages.
-        self.last_use = np.full(len(loader._starts) - 1, -1, dtype=np.int64)
+        self.last_use = np.full(len(loader._limits), -1, dtype=np.int64)
         for i, cells in enumerate(batches):
-            self.last_use[np.searchsorted(loader._starts, cells, side="right") - 1] = i
+            self.last_use[np.searchsorted(loader._limits, cells, side="right")] = i
         self.capacity = max(loader.dataset.manifest.tile_nnz, default=0)
         self.spare: list[tuple[np.ndarray, np.ndarray]] = []
 
@@ -481,7 +481,7 @@ class _BatchBuilder:
 
     def build(self, cells: np.ndarray) -> Batch:
         loader = self.loader
-        touched, groups, local = group_by_tile(cells, loader._starts[1:])
+        touched, groups, local = group_by_tile(cells, loader._limits)
         if loader.shuffle == "cells":
             matrix, totals = self._gather_compressed(touched, groups, local)
         else:
@@ -522,11 +522,15 @@ class _BatchBuilder:
         tiles = [self._compressed(int(t)) for t in touched]
         matrix = gather_cells(tiles, groups, local, loader.dataset.shape[1], loader.dtype,
                               self.n_threads)  # fmt: skip
-        indptr, indices, values = matrix.indptr, matrix.indices, matrix.data
-        totals = _kernels.row_sums(indptr.astype(np.int64, copy=False), values, self.n_threads)
+        indptr = matrix.indptr.astype(np.int64, copy=False)
+        # Library sizes over all genes, before any are dropped (only when normalising).
+        totals = (
+            _kernels.row_sums(indptr, matrix.data, self.n_threads)
+            if loader.normalize is not None
+            else np.zeros(len(local))
+        )
         if loader._col_map is not None:
-            out = _kernels.remap_columns(indptr.astype(np.int64, copy=False), indices, values,
-                                         loader._col_map,
+            out = _kernels.remap_columns(indptr, matrix.indices, matrix.data, loader._col_map,
                                          self.n_out_cols, self.n_threads)  # fmt: skip
             matrix = sp.csr_matrix((out[2], out[1], out[0]), shape=(len(local), self.n_out_cols),
                                    copy=False)  # fmt: skip
