@@ -11,7 +11,7 @@ PACKAGES = ("deltacells", "numpy", "scipy", "anndata", "zarr", "h5py", "zstandar
 
 
 def machine() -> dict:
-    """CPU model, usable CPUs, Python, platform, libzstd/OpenMP of the build, package versions."""
+    """CPU model, usable CPUs, Python, platform, libzstd/OpenMP/CRC of the build, versions."""
     cpu = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -35,6 +35,7 @@ def machine() -> dict:
         "platform": platform.platform(),
         "libzstd": _kernels.zstd_version(),
         "openmp": _kernels.openmp_enabled(),
+        "crc": _kernels.crc_backend(),
         "packages": versions,
     }
 

@@ -117,6 +117,20 @@ def test_flipped_bytes_without_crc_never_crash_or_mislead(blob):
     assert outcomes["rejected"] > len(blob) // 4
 
 
+@pytest.mark.parametrize("size", [64, 65, 1000, (1 << 20) + 3, (3 << 20) + 17])
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_crc32_range_equals_zlib(size, n_threads):
+    # Whichever library computes it (libdeflate or zlib, see crc_backend) and however the range
+    # is split between threads, the CRC is zlib's.
+    import zlib
+
+    from deltacells import _kernels
+
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    assert _kernels.crc_backend() in ("libdeflate", "zlib")
+    assert _kernels.crc32_range(data, 64, n_threads) == zlib.crc32(data[64:].tobytes())
+
+
 def test_crc_switch(blob):
     damaged = bytearray(blob)
     struct.pack_into("<I", damaged, 56, 0xDEADBEEF)

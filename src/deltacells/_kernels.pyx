@@ -43,7 +43,6 @@ from deltacells._zstd cimport (
 from deltacells.format import FormatError
 
 cdef extern from "zlib.h" nogil:
-    unsigned long crc32(unsigned long crc, const unsigned char* buf, unsigned int length)
     unsigned long crc32_combine(unsigned long crc1, unsigned long crc2, long length2)
 
 cdef extern from *:
@@ -53,6 +52,31 @@ cdef extern from *:
     #else
     #define DELTACELLS_OPENMP 0
     #endif
+
+    #include <stdint.h>
+    #include <zlib.h>
+    #ifdef DELTACELLS_LIBDEFLATE
+    #include <libdeflate.h>
+    #define DELTACELLS_CRC_BACKEND "libdeflate"
+    #else
+    #define DELTACELLS_CRC_BACKEND "zlib"
+    #endif
+
+    /* CRC-32 (zlib / IEEE) of buf[0:n] continued from crc: libdeflate's when built with it,
+       zlib's otherwise (same values). */
+    static inline uint32_t dc_crc32(uint32_t crc, const uint8_t* buf, int64_t n) {
+    #ifdef DELTACELLS_LIBDEFLATE
+        return libdeflate_crc32(crc, buf, (size_t)n);
+    #else
+        while (n > 0) {  /* zlib takes unsigned int lengths */
+            unsigned int step = n > (1 << 30) ? (1u << 30) : (unsigned int)n;
+            crc = (uint32_t)crc32(crc, buf, step);
+            buf += step;
+            n -= step;
+        }
+        return crc;
+    #endif
+    }
 
     #include <stdint.h>
     #if defined(__SSE2__)
@@ -205,6 +229,8 @@ cdef extern from *:
     }
     """
     int DELTACELLS_OPENMP
+    const char* DELTACELLS_CRC_BACKEND
+    uint32_t dc_crc32(uint32_t crc, const uint8_t* buf, int64_t n) noexcept nogil
     int32_t dc_prefix_planes(const uint8_t* lo, const uint8_t* hi, int64_t n, int32_t g,
                              int32_t* out) noexcept nogil
     int dc_any_zero_planes(const uint8_t* lo, const uint8_t* hi, int64_t n) noexcept nogil
@@ -268,6 +294,11 @@ _MESSAGES = {
     E_ENC_COMPRESS: "zstd compression failed (stream {})",
 }
 _FRAME_NAMES = ("gaps", "vals", "vexc", "gexc")
+
+
+def crc_backend() -> str:
+    """The library computing CRC-32s: ``"libdeflate"`` when built with it, else ``"zlib"``."""
+    return DELTACELLS_CRC_BACKEND.decode()
 
 
 def openmp_enabled() -> bool:
@@ -840,7 +871,7 @@ def decompress_only(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, int n
 def crc32_range(const uint8_t[::1] blob, int64_t start, int n_threads) -> int:
     """zlib CRC-32 of ``blob[start:]``, computed in parallel pieces and combined."""
     cdef int64_t size = blob.shape[0] - start
-    cdef int64_t n_parts = 1, part, lo, hi, pos, step
+    cdef int64_t n_parts = 1, part, lo, hi
     cdef Py_ssize_t i
     cdef unsigned long result
     cdef const uint8_t* base
@@ -856,12 +887,7 @@ def crc32_range(const uint8_t[::1] blob, int64_t start, int n_threads) -> int:
         for i in prange(n_parts, num_threads=n_threads, schedule="static"):
             lo = i * part
             hi = min(size, lo + part)
-            crcs_v[i] = crc32(0, NULL, 0)
-            pos = lo
-            while pos < hi:
-                step = min(hi - pos, 1 << 30)
-                crcs_v[i] = crc32(crcs_v[i], base + pos, <unsigned int>step)
-                pos = pos + step
+            crcs_v[i] = dc_crc32(0, base + lo, hi - lo)
     result = <unsigned long>crcs_v[0]
     for i in range(1, n_parts):
         lo = i * part
