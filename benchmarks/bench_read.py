@@ -31,7 +31,13 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
 
 
-def make_inputs(source: Path, n_cells: int, workdir: Path) -> dict[str, Path]:
+def fine_name(n_chunks: int) -> str:
+    return f"deltacells_n_chunks_{n_chunks}"
+
+
+def make_inputs(source: Path, n_cells: int, workdir: Path, fine_chunks: int = 0) -> dict[str, Path]:
+    """The stacked input in every format; with ``fine_chunks``, also a deltacells dataset with
+    that many chunks per tile (the random-access layout)."""
     adata = stacked_adata(source, n_cells)
     paths = {
         "h5ad_gzip": workdir / "gzip.h5ad",
@@ -43,7 +49,18 @@ def make_inputs(source: Path, n_cells: int, workdir: Path) -> dict[str, Path]:
     adata.write_h5ad(paths["h5ad"])
     adata.write_zarr(paths["zarr"])
     dc.write_deltacells(adata, paths["deltacells"], progress=False)
+    if fine_chunks:
+        paths[fine_name(fine_chunks)] = workdir / "fine.dc"
+        dc.write_deltacells(adata, paths[fine_name(fine_chunks)], n_chunks=fine_chunks,
+                            progress=False)  # fmt: skip
     return paths
+
+
+def stored_bytes(path: Path) -> int:
+    """Bytes of a file, or of all files under a folder."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def readers(paths: dict[str, Path], cache_dir: Path, storage_options: dict | None = None):
@@ -78,7 +95,11 @@ def readers(paths: dict[str, Path], cache_dir: Path, storage_options: dict | Non
         return read
 
     tools = {
-        "deltacells": (open_dc(paths["deltacells"]), obs_dc(paths["deltacells"])),
+        name: (open_dc(path), obs_dc(path))
+        for name, path in paths.items()
+        if name.startswith("deltacells")
+    }
+    tools |= {
         "anndata_zarr": (
             lambda: ad.io.sparse_dataset(zarr.open_group(str(paths["zarr"]), mode="r")["X"]),
             obs_zarr(paths["zarr"]),
@@ -104,7 +125,7 @@ def run_suite(tools: dict, n_cells: int, repeats: int) -> dict:
 
         def unsorted(open_x=open_x, name=name):
             X = open_x()
-            if name == "deltacells":
+            if name.startswith("deltacells"):
                 return X[random_rows]
             # anndata's backed datasets want increasing indices: sort, read, put back in order.
             order = np.argsort(random_rows)
@@ -129,20 +150,22 @@ def run_suite(tools: dict, n_cells: int, repeats: int) -> dict:
         row["random_4096_sorted_cells_per_s"] = 4096 / row["random_4096_sorted_s"]
         results[name] = row
         print(f"  {name:26s} " + "  ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
-    dc_row = results["deltacells"]
+    keys = (
+        "random_4096_unsorted_s",
+        "random_4096_sorted_s",
+        "slice_10000_s",
+        "to_memory_s",
+        "obs_column_s",
+    )
+    ours = [name for name in results if name.startswith("deltacells")]
+    # ratios[ours][other][key]: how many times longer `other` takes than that deltacells layout.
     results["ratios"] = {
-        other: {
-            key: results[other][key] / dc_row[key]
-            for key in (
-                "random_4096_unsorted_s",
-                "random_4096_sorted_s",
-                "slice_10000_s",
-                "to_memory_s",
-                "obs_column_s",
-            )
+        mine: {
+            other: {key: results[other][key] / results[mine][key] for key in keys}
+            for other in results
+            if not other.startswith("deltacells")
         }
-        for other in results
-        if other != "deltacells"
+        for mine in ours
     }
     return results
 
@@ -216,7 +239,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    local = {k: v for k, v in results["local"].items() if k != "ratios"}
+    local = {k: v for k, v in results["local"].items() if k not in ("ratios", "bytes")}
     keys = [
         "random_4096_unsorted_s",
         "random_4096_sorted_s",
@@ -244,19 +267,27 @@ def main() -> None:
     parser.add_argument("--cells", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--no-s3", action="store_true")
+    parser.add_argument(
+        "--fine-chunks",
+        type=int,
+        default=512,
+        help="also time a dataset with this many chunks per tile (0: skip)",
+    )
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "read.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "_static" / "bench_read.png")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="dc-bench-read-"))
     try:
         print(f"making a {args.cells:,}-cell input in four formats ...", flush=True)
-        paths = make_inputs(args.data, args.cells, workdir)
+        paths = make_inputs(args.data, args.cells, workdir, args.fine_chunks)
         cache_dir = workdir / "cache"
         cache_dir.mkdir()
         results = {"machine": machine(), "command": "python benchmarks/bench_read.py",
                    "n_cells": args.cells, "repeats": args.repeats}  # fmt: skip
         print("local:", flush=True)
         results["local"] = run_suite(readers(paths, cache_dir), args.cells, args.repeats)
+        results["local"]["bytes"] = {name: stored_bytes(path) for name, path in paths.items()}
+        print(f"  bytes: {results['local']['bytes']}", flush=True)
         results["open"] = opening_cost(paths["deltacells"], args.repeats, cache_dir)
         print(f"  opening: {results['open']}", flush=True)
         if not args.no_s3:

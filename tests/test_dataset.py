@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -58,6 +59,34 @@ def test_tile_size_must_match_manifest(dataset_dir):
     dataset = dc.open_dataset(dataset_dir)
     with pytest.raises(dc.FormatError, match=r"tile_000001\.dct: \d+ bytes, the manifest says"):
         dataset.tile(1)
+
+
+def test_oversized_files_are_refused_before_allocating(dataset_dir, monkeypatch):
+    # A tile or obs shard claiming 64 GiB (a sparse file) must fail on its size, before any
+    # buffer that large is asked for.
+    import deltacells.storage as storage
+
+    real_allocate = storage.pa.allocate_buffer
+
+    def small_only(size, *args, **kwargs):
+        assert size < 1 << 30, f"asked to allocate {size} bytes"
+        return real_allocate(size, *args, **kwargs)
+
+    monkeypatch.setattr(storage.pa, "allocate_buffer", small_only)
+    os.truncate(dataset_dir / "tiles" / "tile_000001.dct", 1 << 36)
+    os.truncate(dataset_dir / "obs" / "obs_0000.parquet", 1 << 36)
+    dataset = dc.open_dataset(dataset_dir)
+    with pytest.raises(dc.FormatError, match=r"tile_000001\.dct: 68719476736 bytes, the manifest"):
+        dataset.tile(1)
+    with pytest.raises(dc.FormatError, match=r"obs_0000\.parquet: 68719476736 bytes, the manif"):
+        dataset.read_obs()
+
+
+def test_obs_shard_size_must_match_manifest(dataset_dir):
+    shard = dataset_dir / "obs" / "obs_0000.parquet"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.raises(dc.FormatError, match=r"obs_0000\.parquet: \d+ bytes, the manifest says"):
+        dc.open_dataset(dataset_dir).read_obs()
 
 
 def test_tile_counts_must_match_manifest(dataset_dir):

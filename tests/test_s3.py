@@ -109,7 +109,7 @@ def test_persistent_failure_names_the_url(s3, monkeypatch):
         raise TimeoutError("read timed out (injected)")
 
     monkeypatch.setattr(dataset.store._fs, "cat_file", broken)
-    expected = r"s3://cells/data/d/tiles/tile_000001\.dct: read failed 5 times; last error: read"
+    expected = r"tiles/tile_000001\.dct: ranged read failed 5 times; last error: read timed"
     with pytest.raises(StorageError, match=expected):
         dataset.tile(1)
 
@@ -122,6 +122,29 @@ def test_missing_objects_are_format_errors(s3):
         dc.open_dataset("s3://cells/broken/d", storage_options=options)
     with pytest.raises(FileNotFoundError):
         dc.open_dataset("s3://cells/nothing-here", storage_options=options)
+
+
+def test_tile_of_the_wrong_size_over_s3(s3):
+    # Remote tiles are read only up to one byte past the manifest's size, so an object of any
+    # other size is refused without fetching it whole.
+    _, options, _, client = s3
+    for path in ("manifest.json", "tiles/tile_000000.dct"):
+        source = {"Bucket": "cells", "Key": f"data/d/{path}"}
+        client.copy_object(Bucket="cells", Key=f"sized/d/{path}", CopySource=source)
+    tiles = [
+        client.get_object(Bucket="cells", Key=f"data/d/tiles/tile_00000{i}.dct")["Body"].read()
+        for i in (1, 2)
+    ]
+    longer = tiles[0] + bytes(64)
+    client.put_object(Bucket="cells", Key="sized/d/tiles/tile_000001.dct", Body=longer)
+    client.put_object(Bucket="cells", Key="sized/d/tiles/tile_000002.dct", Body=tiles[1][:-8])
+    dataset = dc.open_dataset("s3://cells/sized/d", storage_options=options)
+    size = dataset.manifest.tile_bytes[1]
+    with pytest.raises(dc.FormatError, match=rf"tile_000001\.dct: more than {size} bytes, the man"):
+        dataset.tile(1)
+    with pytest.raises(dc.FormatError, match=r"tile_000002\.dct: \d+ bytes, the manifest says"):
+        dataset.tile(2)
+    assert dataset.tile(0).nnz == dataset.manifest.tile_nnz[0]
 
 
 def test_store_pickles(s3):

@@ -156,7 +156,8 @@ class DeltacellsCSRDataset(CSRDataset):
         decoding threads."""
         missing = [t for t in dict.fromkeys(int(t) for t in indices) if t not in self._cache]
         if len(missing) > 1 and not self.dataset.store.is_local:
-            futures = self.dataset.store.prefetch([tile_name(t) for t in missing])
+            sizes = [self.dataset.manifest.tile_bytes[t] for t in missing]
+            futures = self.dataset.store.prefetch([tile_name(t) for t in missing], sizes)
             for t, future in zip(missing, futures.values(), strict=True):
                 blob = future.result()
                 self._remember(t, self.dataset.tile(t, n_threads=self.n_threads, blob=blob))
@@ -276,10 +277,14 @@ class DeltacellsCSRDataset(CSRDataset):
         # Remote tiles are fetched a few ahead while the current one decodes; local reads are
         # quick next to decoding and would only contend with it for the cores.
         window = 0 if store.is_local else 4
-        futures = store.prefetch([tile_name(t) for t in range(min(window, m.n_tiles))])
+
+        def fetch(tiles: range) -> dict:
+            return store.prefetch([tile_name(t) for t in tiles], [m.tile_bytes[t] for t in tiles])
+
+        futures = fetch(range(min(window, m.n_tiles)))
         for t in range(m.n_tiles):
             if window and t + window < m.n_tiles:
-                futures |= store.prefetch([tile_name(t + window)])
+                futures |= fetch(range(t + window, t + window + 1))
             tile = self._cache.get(t)
             if tile is None:
                 blob = futures.pop(tile_name(t)).result() if window else None

@@ -62,7 +62,8 @@ class Dataset:
 
     def tile_blob(self, index: int) -> np.ndarray:
         """The bytes of tile ``index`` (``uint8``), checked against the manifest's size."""
-        return self._checked_blob(index, self.store.read_buffer(tile_name(index)))
+        size = self.manifest.tile_bytes[index]
+        return self._checked_blob(index, self.store.read_buffer(tile_name(index), size))
 
     def _checked_blob(self, index: int, blob: Any) -> Any:
         if len(blob) != self.manifest.tile_bytes[index]:
@@ -158,13 +159,8 @@ class Dataset:
     def obs_shard(self, index: int) -> bytes:
         """Obs shard ``index``, checked against the manifest's size and SHA-256."""
         name = obs_shard_name(index)
-        data = self.store.read_bytes(name)
         m = self.manifest
-        if len(data) != m.obs_shard_bytes[index]:
-            raise FormatError(
-                f"{self.store.describe(name)}: {len(data)} bytes, manifest says "
-                f"{m.obs_shard_bytes[index]}"
-            )
+        data = self.store.read_buffer(name, m.obs_shard_bytes[index]).tobytes()
         digest = hashlib.sha256(data).hexdigest()
         if digest != m.obs_shard_sha256[index]:
             raise FormatError(f"{self.store.describe(name)}: SHA-256 {digest} != manifest's")
