@@ -261,6 +261,39 @@ def plot(results: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
+def layout_table(results: dict) -> str:
+    """A Markdown table comparing the deltacells layouts of this run (for the docs)."""
+    local = results["local"]
+    ours = list(local["ratios"])
+
+    def times(name: str, other: str, key: str) -> float:
+        return local["ratios"][name][other][key]
+
+    sizes = local["bytes"]
+    zarr, gzip = local["anndata_zarr"], local["anndata_h5ad_gzip_backed"]
+    rows = [
+        ("dataset bytes", lambda n: f"{sizes[n] / 1e6:.1f} MB ({sizes[n] / sizes[ours[0]]:.3f}x)"),
+        ("random 4,096 cells, unsorted", lambda n: f"{local[n]['random_4096_unsorted_s']:.3f} s"),
+        (f"... vs gzip `.h5ad` ({gzip['random_4096_unsorted_s']:.2f} s)",
+         lambda n: f"{times(n, 'anndata_h5ad_gzip_backed', 'random_4096_unsorted_s'):.1f}x"),
+        (f"... vs zarr ({zarr['random_4096_unsorted_s']:.3f} s)",
+         lambda n: f"{times(n, 'anndata_zarr', 'random_4096_unsorted_s'):.2f}x"),
+        ("`to_memory()` (source gene order)", lambda n: f"{local[n]['to_memory_s']:.3f} s"),
+        (f"... vs zarr ({zarr['to_memory_s']:.3f} s)",
+         lambda n: f"{times(n, 'anndata_zarr', 'to_memory_s'):.2f}x"),
+    ]  # fmt: skip
+    lines = [
+        f"From `{results['command']}` on {results['machine']['cpu']} "
+        f"({results['machine']['usable_cpus']} CPUs), {results['n_cells']:,} cells, medians of "
+        f"{results['repeats']}:",
+        "",
+        "| | " + " | ".join(f"`{n}`" for n in ours) + " |",
+        "|---|" + "---|" * len(ours),
+    ]
+    lines += [f"| {label} | " + " | ".join(cell(n) for n in ours) + " |" for label, cell in rows]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
@@ -275,6 +308,9 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "read.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "_static" / "bench_read.png")
+    parser.add_argument(
+        "--table", type=Path, default=ROOT / "docs" / "_static" / "bench_read_layouts.md"
+    )
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="dc-bench-read-"))
     try:
@@ -298,7 +334,8 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
     plot(results, args.plot)
-    print(f"wrote {args.json} and {args.plot}")
+    args.table.write_text(layout_table(results))
+    print(f"wrote {args.json}, {args.plot} and {args.table}")
 
 
 if __name__ == "__main__":

@@ -8,5 +8,5 @@ myst_enable_extensions = ["colon_fence"]
 napoleon_numpy_docstring = True
 napoleon_google_docstring = False
 autodoc_typehints = "description"
-exclude_patterns = ["_build"]
+exclude_patterns = ["_build", "_static"]  # _static holds generated snippets that pages include
 html_static_path = ["_static"]
