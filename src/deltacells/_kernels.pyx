@@ -174,22 +174,22 @@ cdef extern from *:
        Rows of a few hundred entries sort in L1 this way in a few ns each, faster than a bitmap
        of all columns, whose scan costs a word per 64 columns whatever the row.
        Works in place (out == in): everything is read before anything is written. Returns 0,
-       1 for a column >= n_map, 2 for two columns mapped to one place (equal neighbours once
-       sorted, or more kept entries than capacity when that is the number of output columns);
-       nothing is written on error. */
+       1 for a column >= n_map (before writing anything), 2 for two columns mapped to one place
+       (equal neighbours once sorted, found while writing, or more kept entries than capacity
+       when that is the number of output columns). */
     static inline int dc_row_sort(const int32_t* idx, const uint32_t* val32, const double* val64,
                                   int64_t n, const int32_t* col_map, uint32_t n_map,
                                   uint64_t* keys, uint64_t* spare, double* held,
                                   int64_t capacity, int32_t* out_idx, uint32_t* out32,
                                   double* out64, int64_t* kept) {
-        uint32_t outside = 0, max_col = 0;
+        uint32_t max_col = 0;
         uint32_t count0[256], count1[256];
+        uint64_t previous = ~(uint64_t)0;
         int64_t o = 0;
-        for (int64_t i = 0; i < n; i++) outside |= (uint32_t)idx[i] >= n_map;
-        if (outside) return 1;
         memset(count0, 0, sizeof count0);
         memset(count1, 0, sizeof count1);
         for (int64_t i = 0; i < n; i++) {
+            if ((uint32_t)idx[i] >= n_map) return 1;
             int32_t c = col_map[idx[i]];
             if (c < 0) continue;
             if (o >= capacity) return 2;
@@ -239,11 +239,10 @@ cdef extern from *:
                 spare = t;
             }
         }
-        for (int64_t i = 1; i < o; i++) {
-            if ((keys[i] >> 32) == (keys[i - 1] >> 32)) return 2;
-        }
         for (int64_t i = 0; i < o; i++) {
             uint64_t x = keys[i];
+            if ((x >> 32) == previous) return 2;
+            previous = x >> 32;
             out_idx[i] = (int32_t)(x >> 32);
             if (held) out64[i] = held[(uint32_t)x];
             else out32[i] = (uint32_t)x;
@@ -1112,8 +1111,8 @@ cdef inline int _row_to_mapped_order(const int32_t* idx, const value_t* val, int
     (``dc_row_sort``, in place if ``out_* == idx/val``).
 
     ``keys``/``spare`` (and ``held`` for float64) are per-thread scratch of ``capacity``
-    entries. Returns E_CELL_RANGE for a column outside col_map and E_ZERO_GAP for two columns
-    mapped to one, before writing anything.
+    entries. Returns E_CELL_RANGE for a column outside col_map (row untouched) and E_ZERO_GAP
+    for two columns mapped to one (the row may be partly rewritten; callers raise).
     """
     cdef int st
     if value_t is double:
