@@ -20,6 +20,7 @@ def decode_into(
     values: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
     n_threads: int,
     where: object,
+    col_map: NDArray[np.integer] | None = None,
 ) -> None: ...
 def gather_into(
     blob: NDArray[np.uint8] | bytes,

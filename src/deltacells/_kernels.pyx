@@ -89,13 +89,13 @@ cdef extern from *:
        A prefix sum is a serial chain, so it is done four lanes at a time with SSE2 (baseline
        on x86-64); other targets take the scalar loop, with identical results. */
     static inline int32_t dc_prefix_planes(const uint8_t* lo, const uint8_t* hi, int64_t n,
-                                           int32_t g, int32_t* out) {
+                                           int32_t g, int32_t* out, int stream) {
         int64_t i = 0;
     #if defined(__SSE2__)
         const __m128i zero = _mm_setzero_si128();
         /* Long runs go out with aligned non-temporal stores (see dc_planes_to_f32); the
            caller issues the store fence once per chunk. */
-        const int streaming = n >= 256;
+        const int streaming = stream && n >= 256;
         if (streaming) {
             for (; i < n && ((uintptr_t)(out + i) & 15); i++) {
                 g += (int32_t)(lo[i] | ((uint32_t)hi[i] << 8));
@@ -132,14 +132,21 @@ cdef extern from *:
     /* out[i] = lo[i] | hi[i] << 8 as float32 for a whole chunk, written with non-temporal
        stores (the output is not read back soon, and skipping the read-for-ownership of every
        output line saves a third of the memory traffic). Returns whether any value is zero. */
+    #if defined(__SSE2__)
+    static inline void dc_store_f32x4(float* out, __m128 x, int stream) {
+        if (stream) _mm_stream_ps(out, x);  /* out is 16-byte aligned on this path */
+        else _mm_storeu_ps(out, x);
+    }
+    #endif
+
     static inline int dc_planes_to_f32(const uint8_t* lo, const uint8_t* hi, int64_t n,
-                                       float* out) {
+                                       float* out, int stream) {
         int64_t i = 0;
         int found = 0;
     #if defined(__SSE2__)
         const __m128i zero = _mm_setzero_si128();
         __m128i acc = zero;
-        for (; i < n && ((uintptr_t)(out + i) & 15); i++) {
+        for (; stream && i < n && ((uintptr_t)(out + i) & 15); i++) {
             uint32_t v = lo[i] | ((uint32_t)hi[i] << 8);
             found |= v == 0;
             out[i] = (float)v;
@@ -150,12 +157,12 @@ cdef extern from *:
             acc = _mm_or_si128(acc, _mm_cmpeq_epi8(_mm_or_si128(l, h), zero));
             __m128i w0 = _mm_unpacklo_epi8(l, h);
             __m128i w1 = _mm_unpackhi_epi8(l, h);
-            _mm_stream_ps(out + i, _mm_cvtepi32_ps(_mm_unpacklo_epi16(w0, zero)));
-            _mm_stream_ps(out + i + 4, _mm_cvtepi32_ps(_mm_unpackhi_epi16(w0, zero)));
-            _mm_stream_ps(out + i + 8, _mm_cvtepi32_ps(_mm_unpacklo_epi16(w1, zero)));
-            _mm_stream_ps(out + i + 12, _mm_cvtepi32_ps(_mm_unpackhi_epi16(w1, zero)));
+            dc_store_f32x4(out + i, _mm_cvtepi32_ps(_mm_unpacklo_epi16(w0, zero)), stream);
+            dc_store_f32x4(out + i + 4, _mm_cvtepi32_ps(_mm_unpackhi_epi16(w0, zero)), stream);
+            dc_store_f32x4(out + i + 8, _mm_cvtepi32_ps(_mm_unpacklo_epi16(w1, zero)), stream);
+            dc_store_f32x4(out + i + 12, _mm_cvtepi32_ps(_mm_unpackhi_epi16(w1, zero)), stream);
         }
-        _mm_sfence();
+        if (stream) _mm_sfence();
         found |= _mm_movemask_epi8(acc) != 0;  /* lane k: both planes zero at element i + k */
     #endif
         for (; i < n; i++) {
@@ -281,9 +288,10 @@ cdef extern from *:
     const char* DELTACELLS_CRC_BACKEND
     uint32_t dc_crc32(uint32_t crc, const uint8_t* buf, int64_t n) noexcept nogil
     int32_t dc_prefix_planes(const uint8_t* lo, const uint8_t* hi, int64_t n, int32_t g,
-                             int32_t* out) noexcept nogil
+                             int32_t* out, int stream) noexcept nogil
     int dc_any_zero_planes(const uint8_t* lo, const uint8_t* hi, int64_t n) noexcept nogil
-    int dc_planes_to_f32(const uint8_t* lo, const uint8_t* hi, int64_t n, float* out) noexcept nogil
+    int dc_planes_to_f32(const uint8_t* lo, const uint8_t* hi, int64_t n, float* out,
+                         int stream) noexcept nogil
     void dc_store_fence() noexcept nogil
     int dc_row_sort(const int32_t* idx, const uint32_t* val32, const double* val64, int64_t n,
                     const int32_t* col_map, uint32_t n_map, uint64_t* keys, uint64_t* spare,
@@ -324,6 +332,7 @@ cdef enum Status:
     E_ENC_ORDER
     E_ENC_VALUE
     E_ENC_COMPRESS
+    E_COL_MAP
 
 _MESSAGES = {
     E_NOMEM: "out of memory for scratch buffers or zstd contexts",
@@ -343,6 +352,7 @@ _MESSAGES = {
     E_ENC_ORDER: "gene indices not strictly increasing or out of range in cell {}",
     E_ENC_VALUE: "count outside 1..2^31-1 in cell {}",
     E_ENC_COMPRESS: "zstd compression failed (stream {})",
+    E_COL_MAP: "cell {} could not be renumbered through col_map",
 }
 _FRAME_NAMES = ("gaps", "vals", "vexc", "gexc")
 
@@ -443,6 +453,7 @@ cdef struct Chunk:
     int64_t n
     int64_t kv
     int64_t kg
+    int stream  # non-temporal stores for long runs (off when the output is re-read at once)
 
 
 def _raise_status(int32_t[::1] status, int64_t[::1] detail, object where, object chunk_ids=None):
@@ -459,7 +470,7 @@ def _raise_status(int32_t[::1] status, int64_t[::1] detail, object where, object
             message = f"{where}: chunk {chunk}: " + _MESSAGES[code].format(what)
             if code == E_NOMEM:
                 raise MemoryError(message)
-            if code in (E_ENC_ORDER, E_ENC_VALUE, E_ENC_COMPRESS):
+            if code in (E_ENC_ORDER, E_ENC_VALUE, E_ENC_COMPRESS, E_COL_MAP):
                 raise ValueError(message)
             raise FormatError(message)
 
@@ -642,7 +653,8 @@ cdef int _decode_cell(const Chunk* p, int64_t s, int64_t e, int64_t n_genes,
         if x < kg and gpos[x] < e:
             q = gpos[x]
         if g + <int64_t>STREAM_MAX * (q - start) < MAX_COUNT:
-            g = dc_prefix_planes(glo + start, ghi + start, q - start, <int32_t>g, dst + start)
+            g = dc_prefix_planes(glo + start, ghi + start, q - start, <int32_t>g, dst + start,
+                                 p.stream)
         else:  # a very long segment could pass 2^31 in int32: add up in int64 instead
             for i in range(start, q):
                 g += glo[i] | (<uint32_t>ghi[i] << 8)
@@ -668,7 +680,7 @@ cdef int _decode_values(const Chunk* p, int64_t s, int64_t e, value_t* out,
     cdef int64_t i, x = xcursor[0]
     cdef uint8_t any_zero = 0
     if value_t is float and e - s >= 4096:
-        any_zero = dc_planes_to_f32(vlo + s, vhi + s, e - s, out)
+        any_zero = dc_planes_to_f32(vlo + s, vhi + s, e - s, out, p.stream)
     else:
         # Written so that the compiler vectorizes it with baseline SSE2: byte compares for the
         # zero check and a signed int32 -> float conversion (stored counts are at most 65535).
@@ -762,47 +774,93 @@ cdef void _decode_jobs(const uint8_t* blob, const int64_t[:, ::1] chunks,
                        const int64_t* rows, const int64_t* order, const int64_t* job_chunks,
                        const int64_t* job_starts, Py_ssize_t n_jobs, const int64_t* out_indptr,
                        int32_t* idx_out, value_t* val_out, const size_t* scratches, int n_threads,
-                       const size_t* contexts, int32_t* status, int64_t* detail) noexcept nogil:
+                       const size_t* contexts, const int32_t* col_map, int64_t capacity,
+                       int32_t* status, int64_t* detail) noexcept nogil:
     """Run ``_decode_chunk`` for every job in parallel (a job is one chunk).
 
     Without ``rows`` job ``g`` is chunk ``g``; with them it is chunk ``job_chunks[g]`` and its
-    rows ``order[job_starts[g]:job_starts[g + 1]]``.
+    rows ``order[job_starts[g]:job_starts[g + 1]]``. With ``col_map`` (whole chunks only: a
+    permutation of the ``n_genes`` columns) each chunk's cells are then renumbered and sorted in
+    place by the same thread while its output is still in cache (so it is written with regular
+    stores), with sort scratch of ``capacity`` entries.
     """
     cdef Py_ssize_t g
-    cdef int64_t c
+    cdef int64_t c, r, kept
+    cdef int st
     cdef ZSTD_DCtx* dctx
     cdef uint8_t* scratch
     cdef Chunk* chunk
+    cdef uint64_t* keys
+    cdef uint64_t* spare
+    cdef double* held
     with parallel(num_threads=n_threads):
         dctx = <ZSTD_DCtx*>contexts[threadid()]
         scratch = <uint8_t*>scratches[threadid()]
         chunk = <Chunk*>malloc(sizeof(Chunk))
+        keys = spare = NULL
+        held = NULL
+        if col_map != NULL:
+            keys = <uint64_t*>malloc((capacity + 1) * sizeof(uint64_t))
+            spare = <uint64_t*>malloc((capacity + 1) * sizeof(uint64_t))
+            if value_t is double:
+                held = <double*>malloc((capacity + 1) * sizeof(double))
         for g in prange(n_jobs, schedule="dynamic"):
-            if dctx == NULL or scratch == NULL or chunk == NULL:
+            if (dctx == NULL or scratch == NULL or chunk == NULL or (col_map != NULL and (
+                    keys == NULL or spare == NULL or (value_t is double and held == NULL)))):
                 status[g] = E_NOMEM
                 continue
             c = g if rows == NULL else job_chunks[g]
-            status[g] = _decode_chunk(
+            chunk.stream = col_map == NULL
+            st = _decode_chunk(
                 dctx, blob, &chunks[c, 0], exc[c, 0], exc[c, 1], n_genes, indptr, rows, order,
                 0 if rows == NULL else job_starts[g], 0 if rows == NULL else job_starts[g + 1],
                 out_indptr, idx_out, val_out, scratch, chunk, &detail[g])
+            if st == OK and col_map != NULL:
+                for r in range(chunks[c, CELL_LO], chunks[c, CELL_HI]):
+                    kept = 0  # assigned here so that Cython makes it thread-private
+                    st = _row_to_mapped_order(
+                        idx_out + indptr[r], val_out + indptr[r], indptr[r + 1] - indptr[r],
+                        col_map, <uint32_t>n_genes, keys, spare, held, capacity,
+                        idx_out + indptr[r], val_out + indptr[r], &kept)
+                    if st != OK:
+                        detail[g] = r
+                        st = E_COL_MAP
+                        break
+            status[g] = st
         free(chunk)
+        free(keys)
+        free(spare)
+        free(held)
 
 
 def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
                 const int64_t[::1] indptr, const int64_t[:, ::1] exc, int64_t n_genes,
-                int32_t[::1] indices, value_t[::1] values, int n_threads, object where):
+                int32_t[::1] indices, value_t[::1] values, int n_threads, object where,
+                object col_map=None):
     """Decode every chunk of a tile into ``indices`` and ``values`` (length >= nnz).
 
-    ``exc`` is the output of :func:`check_frames`. The caller owns ``indptr``.
+    ``exc`` is the output of :func:`check_frames`. The caller owns ``indptr``. With
+    ``col_map``, a permutation of the ``n_genes`` columns, column ``j`` comes out as
+    ``col_map[j]`` and every cell sorted again (as :func:`permute_columns` would do after).
     """
     cdef Py_ssize_t n_chunks = chunks.shape[0]
     cdef int64_t nnz = indptr[indptr.shape[0] - 1]
+    cdef const int32_t* map_p = NULL
+    cdef const int32_t[::1] map_v
+    cdef int64_t capacity = 0
     if indices.shape[0] < nnz or values.shape[0] < nnz:
         raise ValueError(f"output buffers hold {indices.shape[0]} / {values.shape[0]} entries, "
                          f"the tile has {nnz} nonzeros")
     if n_chunks == 0:
         return
+    if col_map is not None:
+        col_map = np.asarray(col_map)
+        if (col_map.shape != (n_genes,) or n_genes == 0 or col_map.min() < 0
+                or np.bincount(col_map, minlength=n_genes).max() != 1):
+            raise ValueError(f"col_map must be a permutation of the tile's {n_genes} columns")
+        map_v = col_map.astype(np.int32)
+        map_p = &map_v[0]
+        capacity = min(n_genes, int(np.diff(np.asarray(indptr)).max()))
     status = np.zeros(n_chunks, dtype=np.int32)
     detail = np.zeros(n_chunks, dtype=np.int64)
     cdef int32_t[::1] status_v = status
@@ -818,7 +876,7 @@ def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
         with nogil:
             _decode_jobs(&blob[0], chunks, exc, n_genes, &indptr[0], NULL, NULL, NULL, NULL,
                          n_chunks, NULL, idx_out, val_out, &scratches_v[0], n_threads,
-                         &contexts_v[0], &status_v[0], &detail_v[0])
+                         &contexts_v[0], map_p, capacity, &status_v[0], &detail_v[0])
     finally:
         _give_back_dctx(contexts)
         _give_back_scratch(scratches)
@@ -866,8 +924,8 @@ def gather_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
         with nogil:
             _decode_jobs(&blob[0], chunks, exc, n_genes, &indptr[0], &rows[0], &order[0],
                          &group_chunks[0], &group_starts[0], n_groups, &out_indptr[0], idx_out,
-                         val_out, &scratches_v[0], n_threads, &contexts_v[0], &status_v[0],
-                         &detail_v[0])
+                         val_out, &scratches_v[0], n_threads, &contexts_v[0], NULL, 0,
+                         &status_v[0], &detail_v[0])
     finally:
         _give_back_dctx(contexts)
         _give_back_scratch(scratches)

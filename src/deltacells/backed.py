@@ -236,7 +236,7 @@ class DeltacellsCSRDataset(CSRDataset):
     def tile_matrix(self, index: int) -> sp.csr_matrix:
         """All cells of tile ``index`` as CSR (columns in the requested order)."""
         tile = self.tile(index)
-        return self._present(tile.decode(self.dtype, n_threads=self.n_threads))
+        return tile.decode(self.dtype, n_threads=self.n_threads, col_map=self._to_source)
 
     def to_dask(self):
         """A dask array with one chunk per tile, each a scipy CSR matrix (dask is optional).
@@ -272,7 +272,6 @@ class DeltacellsCSRDataset(CSRDataset):
         values = empty_output(nnz, self.dtype)
         indptr = np.zeros(m.n_cells + 1, dtype=np.int64)
         offset = 0
-        threads = effective_n_threads(self.n_threads)
         store = self.dataset.store
         # Remote tiles are fetched a few ahead while the current one decodes; local reads are
         # quick next to decoding and would only contend with it for the cores.
@@ -290,11 +289,9 @@ class DeltacellsCSRDataset(CSRDataset):
                 blob = futures.pop(tile_name(t)).result() if window else None
                 tile = self.dataset.tile(t, n_threads=self.n_threads, blob=blob)
             end = offset + tile.nnz
-            tile.decode_into(indices[offset:end], values[offset:end], n_threads=self.n_threads)
-            if self._to_source is not None and tile.nnz:
-                # Each tile is renumbered while its output is still warm in the caches.
-                _kernels.permute_columns(tile.indptr, indices[offset:end], values[offset:end],
-                                         self._to_source, threads)  # fmt: skip
+            # Source order: each chunk is renumbered right after it is decoded, while in cache.
+            tile.decode_into(indices[offset:end], values[offset:end], n_threads=self.n_threads,
+                             col_map=self._to_source)  # fmt: skip
             start = int(self._starts[t])
             indptr[start + 1 : start + tile.shape[0] + 1] = tile.indptr[1:] + offset
             offset += tile.nnz
