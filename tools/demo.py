@@ -30,7 +30,8 @@ def run(h5ad: Path, out: Path, tile_size: int, level: int) -> None:
     X = sp.csr_matrix(source.X)
     print(f"{h5ad.name}: {X.shape[0]:,} cells x {X.shape[1]:,} genes, {X.nnz:,} nonzeros")
     print(f"deltacells {dc.__version__}, libzstd {_kernels.zstd_version()}, "
-          f"OpenMP {'on' if _kernels.openmp_enabled() else 'off'}")  # fmt: skip
+          f"OpenMP {'on' if _kernels.openmp_enabled() else 'off'}, "
+          f"CRC-32 by {_kernels.crc_backend()}")  # fmt: skip
 
     t0 = time.perf_counter()
     manifest = dc.write_deltacells(h5ad, out, tile_size=tile_size, zstd_level=level,
