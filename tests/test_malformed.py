@@ -298,6 +298,21 @@ def test_gibberish_frame(blob):
     rejects(replace_frame(blob, 0, 1, b"\x00" * 16), "frame header unreadable")
 
 
+def test_frame_checks_of_many_chunks_report_the_first_bad_one():
+    # Tiles of many chunks have their frames checked in parallel; whatever the thread count,
+    # the lowest bad chunk is named.
+    rng = np.random.default_rng(21)
+    matrix = sp.random(400, 300, density=0.05, format="csr", random_state=rng)
+    matrix.data = np.ceil(matrix.data * 9)
+    many = dc.encode_tile(matrix, n_chunks=200, level=1)
+    damaged = replace_frame(many, 150, 1, b"\x00" * 16)
+    damaged = replace_frame(damaged, 170, 0, b"\x00" * 16)
+    for n_threads in (1, 2, 3):
+        with pytest.raises(FormatError, match=r"chunk 150: zstd frame header unreadable"):
+            dc.Tile(damaged, n_threads=n_threads)
+    assert dc.Tile(many, n_threads=2).n_chunks == 200
+
+
 def _reference(rows: list[list[int]], n_genes: int, values: list[list[int]] | None = None) -> bytes:
     """A one-chunk tile built by the reference encoder from raw (possibly bad) rows."""
     indptr = np.cumsum([0] + [len(r) for r in rows])

@@ -77,9 +77,13 @@ def test_decode_through_a_column_permutation(matrix, seed):
     tile = dc.Tile(dc.encode_tile(matrix, n_chunks=3, level=1))
     col_map = np.random.default_rng(seed).permutation(matrix.shape[1])
     moved = sp.csr_matrix((matrix.data, col_map[matrix.indices], matrix.indptr), shape=matrix.shape)
+    rows = np.random.default_rng(seed).integers(0, max(matrix.shape[0], 1), 30)
     for dtype, n_threads in ((np.int32, 1), (np.float32, 2), (np.float64, 3)):
         decoded = tile.decode(dtype, n_threads=n_threads, col_map=col_map)
         assert_equal_csr(decoded, moved.astype(dtype))  # float32: exact to 2^24 only
+        if matrix.shape[0]:
+            gathered = tile.gather(rows, dtype, n_threads=n_threads, col_map=col_map)
+            assert_equal_csr(gathered, moved[rows].astype(dtype))
     if matrix.shape[0] and matrix.shape[1] > 1:
         not_a_permutation = col_map.copy()
         not_a_permutation[0] = not_a_permutation[1]

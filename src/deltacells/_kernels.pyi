@@ -8,7 +8,10 @@ def openmp_enabled() -> bool: ...
 def zstd_version() -> str: ...
 def zstd_level_range() -> tuple[int, int]: ...
 def check_frames(
-    blob: NDArray[np.uint8] | bytes, chunks: NDArray[np.int64], where: object
+    blob: NDArray[np.uint8] | bytes,
+    chunks: NDArray[np.int64],
+    where: object,
+    n_threads: int = 1,
 ) -> NDArray[np.int64]: ...
 def decode_into(
     blob: NDArray[np.uint8] | bytes,
@@ -37,6 +40,7 @@ def gather_into(
     values: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
     n_threads: int,
     where: object,
+    col_map: NDArray[np.integer] | None = None,
 ) -> None: ...
 def decompress_only(
     blob: NDArray[np.uint8] | bytes, chunks: NDArray[np.int64], n_threads: int

@@ -479,12 +479,14 @@ def _raise_status(int32_t[::1] status, int64_t[::1] detail, object where, object
 # Frame checks (serial; header reads only, nothing is decompressed)
 
 
-def check_frames(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, object where):
+def check_frames(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, object where,
+                 int n_threads=1):
     """Check every frame's header and length; return the exception counts per chunk.
 
     Each stream must be exactly one zstd frame that fills its stored length and declares its
     content size: ``2 * n`` bytes for gaps and values, ``8 * k`` with ``k <= n`` for exception
-    frames.
+    frames. Chunks are checked in parallel on ``n_threads`` (tiles of many small chunks have
+    thousands of frames); the lowest failing chunk is reported whatever the thread count.
 
     Returns
     -------
@@ -505,7 +507,8 @@ def check_frames(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, object w
     cdef int64_t[::1] detail_v = detail
     cdef const uint8_t* base = &blob[0]
     with nogil:
-        for c in range(n_chunks):
+        for c in prange(n_chunks, num_threads=n_threads if n_chunks >= 64 else 1,
+                        schedule="static"):
             n = chunks[c, NNZ_HI] - chunks[c, NNZ_LO]
             for f in range(4):
                 off = chunks[c, 4 + 2 * f]
@@ -779,13 +782,13 @@ cdef void _decode_jobs(const uint8_t* blob, const int64_t[:, ::1] chunks,
     """Run ``_decode_chunk`` for every job in parallel (a job is one chunk).
 
     Without ``rows`` job ``g`` is chunk ``g``; with them it is chunk ``job_chunks[g]`` and its
-    rows ``order[job_starts[g]:job_starts[g + 1]]``. With ``col_map`` (whole chunks only: a
-    permutation of the ``n_genes`` columns) each chunk's cells are then renumbered and sorted in
-    place by the same thread while its output is still in cache (so it is written with regular
-    stores), with sort scratch of ``capacity`` entries.
+    rows ``order[job_starts[g]:job_starts[g + 1]]``. With ``col_map`` (a permutation of the
+    ``n_genes`` columns) each job's output rows are then renumbered and sorted in place by the
+    same thread while they are still in cache (so they are written with regular stores), with
+    sort scratch of ``capacity`` entries.
     """
     cdef Py_ssize_t g
-    cdef int64_t c, r, kept
+    cdef int64_t c, k, o, length, kept
     cdef int st
     cdef ZSTD_DCtx* dctx
     cdef uint8_t* scratch
@@ -816,14 +819,17 @@ cdef void _decode_jobs(const uint8_t* blob, const int64_t[:, ::1] chunks,
                 0 if rows == NULL else job_starts[g], 0 if rows == NULL else job_starts[g + 1],
                 out_indptr, idx_out, val_out, scratch, chunk, &detail[g])
             if st == OK and col_map != NULL:
-                for r in range(chunks[c, CELL_LO], chunks[c, CELL_HI]):
+                # Whole chunk: its cells in place; selected rows: the output rows of this job.
+                for k in range(chunks[c, CELL_LO] if rows == NULL else job_starts[g],
+                               chunks[c, CELL_HI] if rows == NULL else job_starts[g + 1]):
+                    o = indptr[k] if rows == NULL else out_indptr[order[k]]
+                    length = (indptr[k + 1] if rows == NULL else out_indptr[order[k] + 1]) - o
                     kept = 0  # assigned here so that Cython makes it thread-private
                     st = _row_to_mapped_order(
-                        idx_out + indptr[r], val_out + indptr[r], indptr[r + 1] - indptr[r],
-                        col_map, <uint32_t>n_genes, keys, spare, held, capacity,
-                        idx_out + indptr[r], val_out + indptr[r], &kept)
+                        idx_out + o, val_out + o, length, col_map, <uint32_t>n_genes, keys,
+                        spare, held, capacity, idx_out + o, val_out + o, &kept)
                     if st != OK:
-                        detail[g] = r
+                        detail[g] = k if rows == NULL else rows[order[k]]
                         st = E_COL_MAP
                         break
             status[g] = st
@@ -831,6 +837,16 @@ cdef void _decode_jobs(const uint8_t* blob, const int64_t[:, ::1] chunks,
         free(keys)
         free(spare)
         free(held)
+
+
+def _permutation_scratch(object col_map, int64_t n_genes, const int64_t[::1] indptr):
+    """``col_map`` checked to be a permutation of ``n_genes`` columns, as int32, and the sort
+    scratch a cell needs (its longest row, at most ``n_genes``)."""
+    col_map = np.asarray(col_map)
+    if (col_map.shape != (n_genes,) or n_genes == 0 or col_map.min() < 0
+            or np.bincount(col_map, minlength=n_genes).max() != 1):
+        raise ValueError(f"col_map must be a permutation of the tile's {n_genes} columns")
+    return col_map.astype(np.int32), min(n_genes, int(np.diff(np.asarray(indptr)).max()))
 
 
 def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
@@ -854,13 +870,8 @@ def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
     if n_chunks == 0:
         return
     if col_map is not None:
-        col_map = np.asarray(col_map)
-        if (col_map.shape != (n_genes,) or n_genes == 0 or col_map.min() < 0
-                or np.bincount(col_map, minlength=n_genes).max() != 1):
-            raise ValueError(f"col_map must be a permutation of the tile's {n_genes} columns")
-        map_v = col_map.astype(np.int32)
+        map_v, capacity = _permutation_scratch(col_map, n_genes, indptr)
         map_p = &map_v[0]
-        capacity = min(n_genes, int(np.diff(np.asarray(indptr)).max()))
     status = np.zeros(n_chunks, dtype=np.int32)
     detail = np.zeros(n_chunks, dtype=np.int64)
     cdef int32_t[::1] status_v = status
@@ -888,16 +899,20 @@ def gather_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
                 const int64_t[::1] rows, const int64_t[::1] order,
                 const int64_t[::1] group_chunks, const int64_t[::1] group_starts,
                 const int64_t[::1] out_indptr, int32_t[::1] indices, value_t[::1] values,
-                int n_threads, object where):
+                int n_threads, object where, object col_map=None):
     """Decode the cells ``rows`` (any order, repeats allowed) into one CSR.
 
     Only the chunks listed in ``group_chunks`` are decompressed, and only the output rows
     ``order`` lists are written (all or some positions of ``rows``, grouped by chunk): group
     ``g`` is ``order[group_starts[g]:group_starts[g + 1]]``, all in chunk ``group_chunks[g]``.
-    Output row ``j`` goes to ``out_indptr[j]:out_indptr[j + 1]``.
+    Output row ``j`` goes to ``out_indptr[j]:out_indptr[j + 1]``. With ``col_map`` (a
+    permutation of the columns) every written row is renumbered and sorted again.
     """
     cdef Py_ssize_t n_groups = group_chunks.shape[0]
     cdef int64_t n_out = out_indptr[out_indptr.shape[0] - 1]
+    cdef const int32_t* map_p = NULL
+    cdef const int32_t[::1] map_v
+    cdef int64_t capacity = 0
     if indices.shape[0] < n_out or values.shape[0] < n_out:
         raise ValueError("output buffers are shorter than the gathered nonzeros")
     cdef Py_ssize_t k
@@ -909,6 +924,9 @@ def gather_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
             raise ValueError(f"order[{k}] = {order[k]} is not a position in rows")
     if n_groups == 0:
         return
+    if col_map is not None:
+        map_v, capacity = _permutation_scratch(col_map, n_genes, indptr)
+        map_p = &map_v[0]
     status = np.zeros(n_groups, dtype=np.int32)
     detail = np.zeros(n_groups, dtype=np.int64)
     cdef int32_t[::1] status_v = status
@@ -924,8 +942,8 @@ def gather_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
         with nogil:
             _decode_jobs(&blob[0], chunks, exc, n_genes, &indptr[0], &rows[0], &order[0],
                          &group_chunks[0], &group_starts[0], n_groups, &out_indptr[0], idx_out,
-                         val_out, &scratches_v[0], n_threads, &contexts_v[0], NULL, 0,
-                         &status_v[0], &detail_v[0])
+                         val_out, &scratches_v[0], n_threads, &contexts_v[0], map_p,
+                         capacity, &status_v[0], &detail_v[0])
     finally:
         _give_back_dctx(contexts)
         _give_back_scratch(scratches)

@@ -14,8 +14,6 @@ import scipy.sparse as sp
 from anndata.abc import CSRDataset
 from numpy.typing import DTypeLike
 
-from deltacells import _kernels
-from deltacells._parallel import effective_n_threads
 from deltacells.codec import Tile, _value_dtype, empty_output
 from deltacells.dataset import Dataset, gather_cells, group_by_tile, open_dataset
 from deltacells.manifest import OBS_INDEX_COLUMN, tile_name
@@ -181,15 +179,6 @@ class DeltacellsCSRDataset(CSRDataset):
             _, old = self._cache.popitem(last=False)
             self._cached_bytes -= old.nbytes
 
-    def _present(self, matrix: sp.csr_matrix) -> sp.csr_matrix:
-        """Columns in the requested order: source order renumbers and re-sorts every row, in
-        place (``matrix`` is always freshly decoded)."""
-        if self._to_source is not None and matrix.nnz:
-            _kernels.permute_columns(matrix.indptr.astype(np.int64, copy=False), matrix.indices,
-                                     matrix.data, self._to_source,
-                                     effective_n_threads(self.n_threads))  # fmt: skip
-        return matrix
-
     # -- reading -------------------------------------------------------------------------------
 
     def get_rows(self, rows: np.ndarray) -> sp.csr_matrix:
@@ -202,8 +191,8 @@ class DeltacellsCSRDataset(CSRDataset):
             return sp.csr_matrix((0, n_genes), dtype=self.dtype)
         touched, groups, local = group_by_tile(rows, self._limits)
         tiles = self.tiles(touched.tolist())
-        matrix = gather_cells(tiles, groups, local, n_genes, self.dtype, self.n_threads)
-        return self._present(matrix)
+        return gather_cells(tiles, groups, local, n_genes, self.dtype, self.n_threads,
+                            self._to_source)  # fmt: skip
 
     def __getitem__(self, index: Any) -> sp.csr_matrix | float:
         """Rows and columns the way scipy and anndata index a CSR matrix."""

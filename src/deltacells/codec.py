@@ -352,7 +352,9 @@ class Tile:
                     f"{name}: CRC-32 mismatch (stored {header.crc32:08x}, computed {crc:08x})"
                 )
         self.layout: TileLayout = parse_layout(buf, name, header)
-        self._exceptions = _kernels.check_frames(buf, self.layout.chunks, name)
+        self._exceptions = _kernels.check_frames(
+            buf, self.layout.chunks, name, effective_n_threads(n_threads)
+        )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -487,6 +489,7 @@ class Tile:
         *,
         positions: np.ndarray | None = None,
         n_threads: int | None = None,
+        col_map: np.ndarray | None = None,
     ) -> None:
         """Decode cells into given rows of a CSR being assembled (by one or several tiles).
 
@@ -503,6 +506,9 @@ class Tile:
             Which output rows this tile writes (default: all); the rest are left alone.
         n_threads
             Decoding threads; ``None`` resolves like scikit-learn.
+        col_map
+            Optional permutation of the columns (see :meth:`decode_into`), applied to each
+            written row right after its chunk is decoded.
         """
         chosen = np.arange(len(rows), dtype=np.int64) if positions is None else positions
         chunk_of_row = np.searchsorted(self.layout.chunks[:, CELL_HI], rows[chosen], side="right")
@@ -523,6 +529,7 @@ class Tile:
             values,
             effective_n_threads(n_threads),
             self.name,
+            col_map,
         )
 
     def gather(
@@ -531,6 +538,7 @@ class Tile:
         values_dtype: DTypeLike = np.float32,
         *,
         n_threads: int | None = None,
+        col_map: np.ndarray | None = None,
     ) -> sp.csr_matrix:
         """Decode only the given cells, decompressing only the chunks they live in.
 
@@ -543,6 +551,8 @@ class Tile:
             ``int32``, ``float32`` or ``float64``.
         n_threads
             Decoding threads; ``None`` resolves like scikit-learn.
+        col_map
+            Optional permutation of the columns (see :meth:`decode_into`).
 
         Returns
         -------
@@ -563,7 +573,7 @@ class Tile:
         nnz = int(out_indptr[-1])
         indices = empty_output(nnz, np.int32)
         values = empty_output(nnz, dtype)
-        self.gather_into(rows, out_indptr, indices, values, n_threads=n_threads)
+        self.gather_into(rows, out_indptr, indices, values, n_threads=n_threads, col_map=col_map)
         return _csr(values, indices, out_indptr, (len(rows), self.layout.n_genes))
 
     def chunk_nnz(self) -> np.ndarray:

@@ -323,9 +323,11 @@ def gather_cells(
     n_genes: int,
     values_dtype: np.dtype,
     n_threads: int | None,
+    col_map: np.ndarray | None = None,
 ) -> sp.csr_matrix:
     """One CSR of the cells ``local`` (positions within their tiles), row ``j`` decoded by the
-    tile whose group holds ``j``, straight into its place; only touched chunks are read."""
+    tile whose group holds ``j``, straight into its place; only touched chunks are read. With
+    ``col_map`` (a column permutation) each row is renumbered and sorted as it is decoded."""
     lengths = np.empty(len(local), dtype=np.int64)
     for tile, mine in zip(tiles, groups, strict=True):
         lengths[mine] = tile.row_lengths(local[mine])
@@ -334,7 +336,8 @@ def gather_cells(
     indices = empty_output(int(indptr[-1]), np.int32)
     values = empty_output(int(indptr[-1]), values_dtype)
     for tile, mine in zip(tiles, groups, strict=True):
-        tile.gather_into(local, indptr, indices, values, positions=mine, n_threads=n_threads)
+        tile.gather_into(local, indptr, indices, values, positions=mine, n_threads=n_threads,
+                         col_map=col_map)  # fmt: skip
     matrix = sp.csr_matrix((values, indices, indptr), shape=(len(local), n_genes), copy=False)
     matrix.has_canonical_format = True
     return matrix
