@@ -178,7 +178,7 @@ cdef extern from *:
        entry becomes a 64-bit key, new column above payload (the value's bits, or its index in
        held), sorted by a byte-wise LSD radix sort over the column's nonzero bytes (the two low
        bytes' counts are taken while the keys are made), or an insertion sort for short rows.
-       Rows of a few hundred entries sort in L1 this way in a few ns each, faster than a bitmap
+       Rows of a few hundred entries sort in L1 this way at a few ns per entry, faster than a bitmap
        of all columns, whose scan costs a word per 64 columns whatever the row.
        Works in place (out == in): everything is read before anything is written. Returns 0,
        1 for a column >= n_map (before writing anything), 2 for two columns mapped to one place
