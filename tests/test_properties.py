@@ -87,8 +87,9 @@ def test_decode_through_a_column_permutation(matrix, seed):
     if matrix.shape[0] and matrix.shape[1] > 1:
         not_a_permutation = col_map.copy()
         not_a_permutation[0] = not_a_permutation[1]
-        with pytest.raises(ValueError, match="permutation"):
-            tile.decode(col_map=not_a_permutation)
+        for bad in (not_a_permutation, col_map[:-1], col_map.astype(np.float64)):
+            with pytest.raises(ValueError, match="permutation"):
+                tile.decode(col_map=bad)
 
 
 @PROFILE

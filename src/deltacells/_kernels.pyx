@@ -843,8 +843,8 @@ def _permutation_scratch(object col_map, int64_t n_genes, const int64_t[::1] ind
     """``col_map`` checked to be a permutation of ``n_genes`` columns, as int32, and the sort
     scratch a cell needs (its longest row, at most ``n_genes``)."""
     col_map = np.asarray(col_map)
-    if (col_map.shape != (n_genes,) or n_genes == 0 or col_map.min() < 0
-            or np.bincount(col_map, minlength=n_genes).max() != 1):
+    if (col_map.shape != (n_genes,) or n_genes == 0 or col_map.dtype.kind not in "iu"
+            or col_map.min() < 0 or np.bincount(col_map, minlength=n_genes).max() != 1):
         raise ValueError(f"col_map must be a permutation of the tile's {n_genes} columns")
     return col_map.astype(np.int32), min(n_genes, int(np.diff(np.asarray(indptr)).max()))
 
