@@ -79,7 +79,6 @@ cdef extern from *:
     #endif
     }
 
-    #include <stdint.h>
     #if defined(__SSE2__)
     #include <emmintrin.h>
     #endif
@@ -93,8 +92,8 @@ cdef extern from *:
         int64_t i = 0;
     #if defined(__SSE2__)
         const __m128i zero = _mm_setzero_si128();
-        /* Long runs go out with aligned non-temporal stores (see dc_planes_to_f32); the
-           caller issues the store fence once per chunk. */
+        /* With stream, long runs go out with aligned non-temporal stores (see
+           dc_planes_to_f32); the caller issues the store fence once per chunk. */
         const int streaming = stream && n >= 256;
         if (streaming) {
             for (; i < n && ((uintptr_t)(out + i) & 15); i++) {
@@ -129,9 +128,10 @@ cdef extern from *:
         return g;
     }
 
-    /* out[i] = lo[i] | hi[i] << 8 as float32 for a whole chunk, written with non-temporal
-       stores (the output is not read back soon, and skipping the read-for-ownership of every
-       output line saves a third of the memory traffic). Returns whether any value is zero. */
+    /* out[i] = lo[i] | hi[i] << 8 as float32 for a whole chunk. With stream the stores are
+       non-temporal (the output is not read back soon, and skipping the read-for-ownership of
+       every output line saves a third of the memory traffic); without, they stay in cache for
+       a caller that reads them back at once. Returns whether any value is zero. */
     #if defined(__SSE2__)
     static inline void dc_store_f32x4(float* out, __m128 x, int stream) {
         if (stream) _mm_stream_ps(out, x);  /* out is 16-byte aligned on this path */
@@ -793,23 +793,15 @@ cdef void _decode_jobs(const uint8_t* blob, const int64_t[:, ::1] chunks,
     cdef ZSTD_DCtx* dctx
     cdef uint8_t* scratch
     cdef Chunk* chunk
-    cdef uint64_t* keys
-    cdef uint64_t* spare
-    cdef double* held
+    cdef SortScratch sorting
     with parallel(num_threads=n_threads):
         dctx = <ZSTD_DCtx*>contexts[threadid()]
         scratch = <uint8_t*>scratches[threadid()]
         chunk = <Chunk*>malloc(sizeof(Chunk))
-        keys = spare = NULL
-        held = NULL
-        if col_map != NULL:
-            keys = <uint64_t*>malloc((capacity + 1) * sizeof(uint64_t))
-            spare = <uint64_t*>malloc((capacity + 1) * sizeof(uint64_t))
-            if value_t is double:
-                held = <double*>malloc((capacity + 1) * sizeof(double))
+        sorting = _new_sort_scratch(capacity if col_map != NULL else 0, sizeof(value_t) == 8)
         for g in prange(n_jobs, schedule="dynamic"):
-            if (dctx == NULL or scratch == NULL or chunk == NULL or (col_map != NULL and (
-                    keys == NULL or spare == NULL or (value_t is double and held == NULL)))):
+            if (dctx == NULL or scratch == NULL or chunk == NULL
+                    or (col_map != NULL and not sorting.ready)):
                 status[g] = E_NOMEM
                 continue
             c = g if rows == NULL else job_chunks[g]
@@ -826,17 +818,15 @@ cdef void _decode_jobs(const uint8_t* blob, const int64_t[:, ::1] chunks,
                     length = (indptr[k + 1] if rows == NULL else out_indptr[order[k] + 1]) - o
                     kept = 0  # assigned here so that Cython makes it thread-private
                     st = _row_to_mapped_order(
-                        idx_out + o, val_out + o, length, col_map, <uint32_t>n_genes, keys,
-                        spare, held, capacity, idx_out + o, val_out + o, &kept)
+                        idx_out + o, val_out + o, length, col_map, <uint32_t>n_genes, &sorting,
+                        idx_out + o, val_out + o, &kept)
                     if st != OK:
                         detail[g] = k if rows == NULL else rows[order[k]]
                         st = E_COL_MAP
                         break
             status[g] = st
         free(chunk)
-        free(keys)
-        free(spare)
-        free(held)
+        _free_sort_scratch(&sorting)
 
 
 def _permutation_scratch(object col_map, int64_t n_genes, const int64_t[::1] indptr):
@@ -1178,25 +1168,50 @@ def encode_chunks(const int64_t[::1] indptr, const int32_t[::1] indices,
 # Column permutation (writer: gene order and joins; reader: back to the source gene order)
 
 
+cdef struct SortScratch:
+    # One thread's scratch for ``_row_to_mapped_order``: rows of up to ``capacity`` entries.
+    uint64_t* keys
+    uint64_t* spare
+    double* held  # float64 values wait here (the keys carry their positions); else NULL
+    int64_t capacity
+    bint ready  # every buffer it needs was allocated
+
+
+cdef inline SortScratch _new_sort_scratch(int64_t capacity, bint hold_values) noexcept nogil:
+    """Allocate one thread's sort scratch (check ``.ready``; free with ``_free_sort_scratch``)."""
+    cdef SortScratch s
+    s.capacity = capacity
+    s.keys = <uint64_t*>malloc((capacity + 1) * sizeof(uint64_t))
+    s.spare = <uint64_t*>malloc((capacity + 1) * sizeof(uint64_t))
+    s.held = <double*>malloc((capacity + 1) * sizeof(double)) if hold_values else NULL
+    s.ready = s.keys != NULL and s.spare != NULL and (s.held != NULL or not hold_values)
+    return s
+
+
+cdef inline void _free_sort_scratch(SortScratch* s) noexcept nogil:
+    free(s.keys)
+    free(s.spare)
+    free(s.held)
+
+
 cdef inline int _row_to_mapped_order(const int32_t* idx, const value_t* val, int64_t n,
-                                     const int32_t* col_map, uint32_t n_map, uint64_t* keys,
-                                     uint64_t* spare, double* held, int64_t capacity,
+                                     const int32_t* col_map, uint32_t n_map, SortScratch* s,
                                      int32_t* out_idx, value_t* out_val,
                                      int64_t* kept) noexcept nogil:
     """Move one row's columns through ``col_map`` (-1 drops) and write them sorted
-    (``dc_row_sort``, in place if ``out_* == idx/val``).
+    (``dc_row_sort``, in place if ``out_* == idx/val``), in a thread's scratch ``s``
+    (made with ``hold_values`` for float64).
 
-    ``keys``/``spare`` (and ``held`` for float64) are per-thread scratch of ``capacity``
-    entries. Returns E_CELL_RANGE for a column outside col_map (row untouched) and E_ZERO_GAP
-    for two columns mapped to one (the row may be partly rewritten; callers raise).
+    Returns E_CELL_RANGE for a column outside col_map (row untouched) and E_ZERO_GAP for two
+    columns mapped to one (the row may be partly rewritten; callers raise).
     """
     cdef int st
     if value_t is double:
-        st = dc_row_sort(idx, NULL, val, n, col_map, n_map, keys, spare, held, capacity,
-                         out_idx, NULL, out_val, kept)
+        st = dc_row_sort(idx, NULL, val, n, col_map, n_map, s.keys, s.spare, s.held,
+                         s.capacity, out_idx, NULL, out_val, kept)
     else:  # int32 and float32 travel as their 32 bits
-        st = dc_row_sort(idx, <const uint32_t*>val, NULL, n, col_map, n_map, keys, spare, NULL,
-                         capacity, out_idx, <uint32_t*>out_val, NULL, kept)
+        st = dc_row_sort(idx, <const uint32_t*>val, NULL, n, col_map, n_map, s.keys, s.spare,
+                         NULL, s.capacity, out_idx, <uint32_t*>out_val, NULL, kept)
     if st == 1:
         return E_CELL_RANGE
     if st == 2:
@@ -1240,24 +1255,18 @@ cdef void _remap_rows(const int64_t* indptr, const int32_t* indices, const value
     cdef Py_ssize_t block, n_blocks = (n_rows + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
     cdef int64_t r, kept
     cdef int st
-    cdef uint64_t* keys
-    cdef uint64_t* spare
-    cdef double* held
+    cdef SortScratch sorting
     with parallel(num_threads=n_threads):
-        keys = <uint64_t*>malloc((capacity + 1) * sizeof(uint64_t))
-        spare = <uint64_t*>malloc((capacity + 1) * sizeof(uint64_t))
-        held = NULL
-        if value_t is double:
-            held = <double*>malloc((capacity + 1) * sizeof(double))
+        sorting = _new_sort_scratch(capacity, sizeof(value_t) == 8)
         for block in prange(n_blocks, schedule="dynamic"):
-            if keys == NULL or spare == NULL or (value_t is double and held == NULL):
+            if not sorting.ready:
                 status[block] = E_NOMEM
                 continue
             for r in range(block * ROWS_PER_BLOCK, min(n_rows, (block + 1) * ROWS_PER_BLOCK)):
                 kept = 0  # assigned here so that Cython makes it thread-private
                 st = _row_to_mapped_order(
                     indices + indptr[r], data + indptr[r], indptr[r + 1] - indptr[r], col_map,
-                    <uint32_t>n_map, keys, spare, held, capacity, out_indices + out_indptr[r],
+                    <uint32_t>n_map, &sorting, out_indices + out_indptr[r],
                     out_data + out_indptr[r], &kept)
                 if st == OK and kept != out_indptr[r + 1] - out_indptr[r]:
                     st = E_CELL_RANGE
@@ -1265,9 +1274,7 @@ cdef void _remap_rows(const int64_t* indptr, const int32_t* indices, const value
                     status[block] = st
                     bad_row[block] = r
                     break
-        free(keys)
-        free(spare)
-        free(held)
+        _free_sort_scratch(&sorting)
 
 
 def _run_remap(const int64_t[::1] indptr, const int32_t[::1] indices, const value_t[::1] data,
@@ -1390,21 +1397,12 @@ def take_rows_into(const int64_t[::1] indptr, const int32_t[::1] indices,
         map_p = &map_v[0]
     status = np.zeros(max(n_pos, 1), dtype=np.int32)
     cdef int32_t[::1] status_v = status
-    cdef uint64_t* keys
-    cdef uint64_t* spare
-    cdef double* held
-    cdef bint sorting = map_p != NULL and sort
-    capacity = min(n_cols, longest) if sorting else 0
+    cdef SortScratch sorting
+    capacity = min(n_cols, longest) if map_p != NULL and sort else 0
     if n_pos == 0:
         return
     with nogil, parallel(num_threads=n_threads):
-        keys = spare = NULL
-        held = NULL
-        if sorting:
-            keys = <uint64_t*>malloc((capacity + 1) * sizeof(uint64_t))
-            spare = <uint64_t*>malloc((capacity + 1) * sizeof(uint64_t))
-            if value_t is double:
-                held = <double*>malloc((capacity + 1) * sizeof(double))
+        sorting = _new_sort_scratch(capacity, sizeof(value_t) == 8)
         for k in prange(n_pos, schedule="dynamic", chunksize=64):
             j = positions[k]
             r = rows[j]
@@ -1417,19 +1415,16 @@ def take_rows_into(const int64_t[::1] indptr, const int32_t[::1] indices,
                     &indices[indptr[r]], &data[indptr[r]], length, map_p, <uint32_t>n_map,
                     idx_out + out_indptr[j], val_out + out_indptr[j],
                     out_indptr[j + 1] - out_indptr[j])
-            elif keys == NULL or spare == NULL or (value_t is double and held == NULL):
+            elif not sorting.ready:
                 status_v[k] = E_NOMEM
             else:
                 kept = 0  # assigned here so that Cython makes it thread-private
                 status_v[k] = _row_to_mapped_order(
                     &indices[indptr[r]], &data[indptr[r]], length, map_p, <uint32_t>n_map,
-                    keys, spare, held, capacity, idx_out + out_indptr[j],
-                    val_out + out_indptr[j], &kept)
+                    &sorting, idx_out + out_indptr[j], val_out + out_indptr[j], &kept)
                 if status_v[k] == OK and kept != out_indptr[j + 1] - out_indptr[j]:
                     status_v[k] = E_CELL_RANGE
-        free(keys)
-        free(spare)
-        free(held)
+        _free_sort_scratch(&sorting)
     failed = np.flatnonzero(status)
     if failed.size:
         if status[failed[0]] == E_NOMEM:
