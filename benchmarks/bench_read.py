@@ -322,6 +322,8 @@ def layout_table(results: dict) -> str:
         ("zstd alone on the chunks those cells touch (the limit)",
          lambda n: f"{floor[n]['random_4096_s']:.3f} s ({floor[n]['random_4096_chunks']:,} "
                    f"chunks, {floor[n]['random_4096_nnz'] / 1e6:.1f}M nonzeros)"),
+        ("... the limit vs gzip `.h5ad`",
+         lambda n: f"{gzip['random_4096_unsorted_s'] / floor[n]['random_4096_s']:.1f}x"),
         ("... the limit vs zarr",
          lambda n: f"{zarr['random_4096_unsorted_s'] / floor[n]['random_4096_s']:.2f}x"),
         ("`to_memory()` (source gene order)", lambda n: f"{local[n]['to_memory_s']:.3f} s"),
