@@ -331,6 +331,25 @@ def test_zero_gap_inside_a_cell_is_rejected():
     rejects(_reference([[0, 5, 9], [3, 3]], 10), "zero gap inside cell 1")
 
 
+@pytest.mark.parametrize("position", [1, 2, 15, 16, 17, 40, 77, 100, 150, 198, 199])
+def test_zero_gap_deep_inside_a_long_cell_is_rejected(position):
+    # Inside a long cell gaps are checked 16 at a time (the whole-chunk pass), at its ends
+    # one by one: a duplicate anywhere must be found.
+    long = list(range(200))
+    long[position] = long[position - 1]
+    tile = dc.Tile(_reference([[1, 2, 3], list(range(7)), long, [5]], 300))
+    for decode in (lambda: tile.decode(np.int32), lambda: tile.gather([2])):
+        with pytest.raises(FormatError, match="zero gap inside cell 2"):
+            decode()
+
+
+def test_gene_index_past_n_genes_at_the_end_of_a_long_cell():
+    tile = dc.Tile(_reference([[1, 2], list(range(100, 300)), [5]], 299))
+    for decode in (lambda: tile.decode(np.int32), lambda: tile.gather([1])):
+        with pytest.raises(FormatError, match="gene index >= n_genes in cell 1"):
+            decode()
+
+
 def test_first_gene_zero_is_not_a_zero_gap():
     assert dc.Tile(_reference([[0], [0, 1]], 2)).decode(np.int32).nnz == 3
 

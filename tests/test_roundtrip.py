@@ -124,3 +124,43 @@ def test_gather_orders_repeats_negatives_and_errors(liao):
         tile.gather([1000])
     with pytest.raises(TypeError):
         tile.gather([0.5])
+
+
+def _rows_of_lengths(lengths: list[int], n_genes: int, seed: int) -> sp.csr_matrix:
+    """A CSR whose row i has lengths[i] nonzeros at random genes, counts 1..65535."""
+    rng = np.random.default_rng(seed)
+    indices = [np.sort(rng.choice(n_genes, k, replace=False)) for k in lengths]
+    indptr = np.cumsum([0, *lengths])
+    data = rng.integers(1, 65536, int(indptr[-1]))
+    return sp.csr_matrix((data, np.concatenate(indices), indptr), shape=(len(lengths), n_genes))
+
+
+@pytest.mark.parametrize("n_chunks", [1, 3, 7])
+def test_whole_chunk_gaps_pass_at_every_cell_boundary(n_chunks):
+    # Chunks without gap exceptions are decoded in one pass, 16 values at a time inside a
+    # cell and one by one around its ends: cells of every length near a multiple of 16, empty
+    # ones, and cells of 32,768+ nonzeros (too long for that pass, decoded cell by cell).
+    lengths = [0, 1, 2, 15, 16, 17, 0, 31, 32, 33, 47, 48, 49, 3, 64, 100, 0, 5, 250, 1]
+    lengths += [32_767, 32_768, 40_000, 9, 0]
+    matrix = _rows_of_lengths(lengths, 60_000, seed=3)
+    tile = dc.Tile(dc.encode_tile(matrix, n_chunks=n_chunks, level=1))
+    order = np.random.default_rng(4).permutation(matrix.shape[1])
+    for threads in (1, 2):
+        for dtype in (np.int32, np.float32, np.float64):
+            assert_same(tile.decode(dtype, n_threads=threads), matrix)
+        # With col_map the same pass writes with regular stores, then rows are sorted.
+        permuted = matrix.copy()
+        permuted.indices = order[permuted.indices].astype(np.int32)
+        assert_same(tile.decode(np.float32, n_threads=threads, col_map=order), permuted)
+
+
+def test_whole_chunk_gaps_pass_at_every_output_alignment():
+    # The output of a chunk starts at any int32 offset of a 16-byte line.
+    matrix = _rows_of_lengths([70, 90, 33, 200, 18, 64], 5_000, seed=5)
+    tile = dc.Tile(dc.encode_tile(matrix, n_chunks=2, level=1))
+    for shift in range(4):
+        indices = np.zeros(matrix.nnz + shift, np.int32)
+        values = np.zeros(matrix.nnz + shift, np.float32)
+        tile.decode_into(indices[shift:], values[shift:], n_threads=1)
+        decoded = sp.csr_matrix((values[shift:], indices[shift:], tile.indptr), matrix.shape)
+        assert_same(decoded, matrix)
