@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import scipy.sparse as sp
+from faultproxy import Fault, FaultProxy
 from test_writer import small_adata
 
 import deltacells as dc
@@ -50,6 +51,27 @@ def s3(tmp_path_factory, monkeypatch_module):
         yield "s3://cells/data/d", options, adata, client
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def proxied(s3):
+    """The same bucket behind a fault-injecting HTTP proxy; the client retries nothing itself
+    (botocore: one attempt) and gives up on a response after half a second, so what is
+    retried is retried by deltacells."""
+    url, options, adata, _ = s3
+    upstream = options["client_kwargs"]["endpoint_url"].removeprefix("http://")
+    with FaultProxy(upstream) as proxy:
+        through = {
+            **options,
+            "client_kwargs": {"endpoint_url": proxy.endpoint},
+            "config_kwargs": {"retries": {"total_max_attempts": 1}, "read_timeout": 0.5},
+        }
+        yield url, through, adata, proxy
+
+
+def _expected_tile(adata, dataset, index):
+    start = index * 100
+    return adata.X[start : start + 100][:, dataset.gene_order()]
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +175,38 @@ def test_store_pickles(s3):
     url, options, _, _ = s3
     store = pickle.loads(pickle.dumps(Store(url, options)))
     assert store.exists("manifest.json")
+
+
+def test_server_errors_are_retried_over_http(proxied):
+    # The server answers 500 InternalError three times, then serves the tile.
+    url, options, adata, proxy = proxied
+    proxy.clear()
+    dataset = dc.open_dataset(url, storage_options=options)
+    proxy.add(Fault("tiles/tile_000003.dct", count=3, status=500))
+    tile = dataset.tile(3)
+    assert [kind for _, kind in proxy.injected] == ["error"] * 3
+    assert any("tile_000003" in path for path in proxy.forwarded)
+    assert (tile.decode() != _expected_tile(adata, dataset, 3)).nnz == 0
+
+
+def test_slow_responses_time_out_and_are_retried_over_http(proxied, tmp_path):
+    # Two responses are held back past the client's read timeout; the reads are made again
+    # and the whole lazy AnnData still reads correctly.
+    url, options, adata, proxy = proxied
+    proxy.clear()
+    backed = dc.read_deltacells(url, storage_options=options, cache_dir=tmp_path)
+    proxy.add(Fault("tiles/tile_000004.dct", count=2, delay=2.0))
+    rows = np.array([450, 420, 499])
+    assert (sp.csr_matrix(backed.X[rows]) != adata.X[rows]).nnz == 0
+    assert [kind for _, kind in proxy.injected] == ["delay"] * 2
+
+
+def test_persistent_server_errors_name_the_url_over_http(proxied):
+    url, options, _, proxy = proxied
+    proxy.clear()
+    dataset = dc.open_dataset(url, storage_options=options)
+    dataset.store.backoff = 0.001
+    proxy.add(Fault("tiles/tile_000005.dct", count=-1, status=500))
+    with pytest.raises(StorageError, match=r"tiles/tile_000005\.dct: ranged read failed 5 times"):
+        dataset.tile(5)
+    assert len(proxy.injected) == 5  # one request per attempt: the retries are ours
