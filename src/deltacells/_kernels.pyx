@@ -89,6 +89,32 @@ cdef extern from *:
         x = _mm_add_epi32(x, _mm_slli_si128(x, 4));
         return _mm_add_epi32(x, _mm_slli_si128(x, 8));
     }
+
+    /* Inclusive prefix sums of the 16 uint16 values lo/hi[0:16] (byte planes) as four int32
+       vectors s[0..3], starting from 0. The block's total comes out through s[3]'s last lane
+       in one add of its own, so a running sum carried across blocks is a chain of one add per
+       16 values. Returns lo | hi, whose zero bytes mark zero values. */
+    static inline __m128i dc_scan16(const uint8_t* lo, const uint8_t* hi, __m128i s[4]) {
+        const __m128i zero = _mm_setzero_si128();
+        __m128i l = _mm_loadu_si128((const __m128i*)lo);
+        __m128i h = _mm_loadu_si128((const __m128i*)hi);
+        __m128i w0 = _mm_unpacklo_epi8(l, h), w1 = _mm_unpackhi_epi8(l, h);
+        s[0] = dc_scan4(_mm_unpacklo_epi16(w0, zero));
+        s[1] = dc_scan4(_mm_unpackhi_epi16(w0, zero));
+        s[2] = dc_scan4(_mm_unpacklo_epi16(w1, zero));
+        s[3] = dc_scan4(_mm_unpackhi_epi16(w1, zero));
+        s[1] = _mm_add_epi32(s[1], _mm_shuffle_epi32(s[0], 0xFF));
+        s[3] = _mm_add_epi32(s[3], _mm_shuffle_epi32(s[2], 0xFF));
+        s[2] = _mm_add_epi32(s[2], _mm_shuffle_epi32(s[1], 0xFF));
+        s[3] = _mm_add_epi32(s[3], _mm_shuffle_epi32(s[1], 0xFF));
+        return _mm_or_si128(l, h);
+    }
+
+    /* Four int32 to out: non-temporal with stream (out then 16-byte aligned). */
+    static inline void dc_store_i32x4(int32_t* out, __m128i x, int stream) {
+        if (stream) _mm_stream_si128((__m128i*)out, x);
+        else _mm_storeu_si128((__m128i*)out, x);
+    }
     #endif
 
     /* out[i] = g + gaps[0] + ... + gaps[i] for the uint16 gaps stored as byte planes lo/hi.
@@ -99,7 +125,6 @@ cdef extern from *:
                                            int32_t g, int32_t* out, int stream) {
         int64_t i = 0;
     #if defined(__SSE2__)
-        const __m128i zero = _mm_setzero_si128();
         /* With stream, long runs go out with aligned non-temporal stores (see
            dc_planes_to_f32); the caller issues the store fence once per chunk. */
         const int streaming = stream && n >= 256;
@@ -111,21 +136,13 @@ cdef extern from *:
         }
         __m128i carry = _mm_set1_epi32(g);
         for (; i + 16 <= n; i += 16) {
-            __m128i l = _mm_loadu_si128((const __m128i*)(lo + i));
-            __m128i h = _mm_loadu_si128((const __m128i*)(hi + i));
-            __m128i w0 = _mm_unpacklo_epi8(l, h);
-            __m128i w1 = _mm_unpackhi_epi8(l, h);
-            __m128i v[4] = {_mm_unpacklo_epi16(w0, zero), _mm_unpackhi_epi16(w0, zero),
-                            _mm_unpacklo_epi16(w1, zero), _mm_unpackhi_epi16(w1, zero)};
-            for (int k = 0; k < 4; k++) {
-                __m128i x = v[k];
-                x = _mm_add_epi32(x, _mm_slli_si128(x, 4));
-                x = _mm_add_epi32(x, _mm_slli_si128(x, 8));
-                x = _mm_add_epi32(x, carry);
-                if (streaming) _mm_stream_si128((__m128i*)(out + i + 4 * k), x);
-                else _mm_storeu_si128((__m128i*)(out + i + 4 * k), x);
-                carry = _mm_shuffle_epi32(x, 0xFF);
-            }
+            __m128i s[4];
+            dc_scan16(lo + i, hi + i, s);
+            dc_store_i32x4(out + i, _mm_add_epi32(s[0], carry), streaming);
+            dc_store_i32x4(out + i + 4, _mm_add_epi32(s[1], carry), streaming);
+            dc_store_i32x4(out + i + 8, _mm_add_epi32(s[2], carry), streaming);
+            dc_store_i32x4(out + i + 12, _mm_add_epi32(s[3], carry), streaming);
+            carry = _mm_add_epi32(carry, _mm_shuffle_epi32(s[3], 0xFF));
         }
         g = _mm_cvtsi128_si32(carry);
     #endif
@@ -332,45 +349,19 @@ cdef extern from *:
         __m128i zeros = zero;
         int32_t buffer[16] __attribute__((aligned(16)));
         for (; i + 16 <= n; i += 16) {
-            __m128i r0, r1, r2, r3;
+            __m128i r[4];
             if (c.start < i && c.end > i + 16) {
-                __m128i l = _mm_loadu_si128((const __m128i*)(lo + i));
-                __m128i h = _mm_loadu_si128((const __m128i*)(hi + i));
-                zeros = _mm_or_si128(zeros, _mm_cmpeq_epi8(_mm_or_si128(l, h), zero));
-                __m128i w0 = _mm_unpacklo_epi8(l, h), w1 = _mm_unpackhi_epi8(l, h);
-                __m128i s0 = dc_scan4(_mm_unpacklo_epi16(w0, zero));
-                __m128i s1 = dc_scan4(_mm_unpackhi_epi16(w0, zero));
-                __m128i s2 = dc_scan4(_mm_unpacklo_epi16(w1, zero));
-                __m128i s3 = dc_scan4(_mm_unpackhi_epi16(w1, zero));
-                s1 = _mm_add_epi32(s1, _mm_shuffle_epi32(s0, 0xFF));
-                s3 = _mm_add_epi32(s3, _mm_shuffle_epi32(s2, 0xFF));
-                s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s1, 0xFF));
-                s3 = _mm_add_epi32(s3, _mm_shuffle_epi32(s1, 0xFF));
+                __m128i both = dc_scan16(lo + i, hi + i, r);
+                zeros = _mm_or_si128(zeros, _mm_cmpeq_epi8(both, zero));
                 __m128i shift = _mm_set1_epi32((int32_t)(c.prefix - c.base));
-                r0 = _mm_add_epi32(s0, shift);
-                r1 = _mm_add_epi32(s1, shift);
-                r2 = _mm_add_epi32(s2, shift);
-                r3 = _mm_add_epi32(s3, shift);
-                c.prefix += (uint32_t)_mm_cvtsi128_si32(_mm_shuffle_epi32(s3, 0xFF));
+                c.prefix += (uint32_t)_mm_cvtsi128_si32(_mm_shuffle_epi32(r[3], 0xFF));
+                for (int k = 0; k < 4; k++) r[k] = _mm_add_epi32(r[k], shift);
             } else {
                 if (dc_gaps_scalar(lo, hi, i, i + 16, &c, indptr, cell_hi, a, n_genes, buffer))
                     return 1;
-                r0 = _mm_load_si128((const __m128i*)buffer);
-                r1 = _mm_load_si128((const __m128i*)(buffer + 4));
-                r2 = _mm_load_si128((const __m128i*)(buffer + 8));
-                r3 = _mm_load_si128((const __m128i*)(buffer + 12));
+                for (int k = 0; k < 4; k++) r[k] = _mm_load_si128((const __m128i*)(buffer + 4 * k));
             }
-            if (stream) {
-                _mm_stream_si128((__m128i*)(out + i), r0);
-                _mm_stream_si128((__m128i*)(out + i + 4), r1);
-                _mm_stream_si128((__m128i*)(out + i + 8), r2);
-                _mm_stream_si128((__m128i*)(out + i + 12), r3);
-            } else {
-                _mm_store_si128((__m128i*)(out + i), r0);
-                _mm_store_si128((__m128i*)(out + i + 4), r1);
-                _mm_store_si128((__m128i*)(out + i + 8), r2);
-                _mm_store_si128((__m128i*)(out + i + 12), r3);
-            }
+            for (int k = 0; k < 4; k++) dc_store_i32x4(out + i + 4 * k, r[k], stream);
         }
         if (_mm_movemask_epi8(zeros)) return 1;
     #endif
