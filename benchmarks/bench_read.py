@@ -126,19 +126,17 @@ def zstd_floor(path: Path, n_cells: int, repeats: int) -> dict:
     validated, with no file reads, checks or decoding after zstd."""
     from deltacells import _kernels
     from deltacells._parallel import effective_n_threads
-    from deltacells.format import CELL_HI
+    from deltacells.dataset import group_by_tile
 
     dataset = dc.open_dataset(path)
     tiles = [dataset.tile(i) for i in range(dataset.manifest.n_tiles)]
     threads = effective_n_threads(None)
-    starts = np.concatenate([[0], np.cumsum(dataset.manifest.tile_cells)])
-    rows = random_cells(n_cells)
-    tile_of = np.searchsorted(starts, rows, side="right") - 1
-    touched = []
-    for i, tile in enumerate(tiles):
-        local = rows[tile_of == i] - starts[i]
-        chunk_ids = np.unique(np.searchsorted(tile.layout.chunks[:, CELL_HI], local, "right"))
-        touched.append(np.ascontiguousarray(tile.layout.chunks[chunk_ids]))
+    limits = np.cumsum(dataset.manifest.tile_cells)
+    hit, groups, local = group_by_tile(random_cells(n_cells), limits)
+    touched = [np.zeros((0, tiles[0].layout.chunks.shape[1]), dtype=np.int64)] * len(tiles)
+    for i, mine in zip(hit, groups, strict=True):
+        chunk_ids = np.unique(tiles[i].chunk_of(local[mine]))
+        touched[i] = np.ascontiguousarray(tiles[i].layout.chunks[chunk_ids])
 
     def decompress(tables):
         for tile, table in zip(tiles, tables, strict=True):

@@ -32,7 +32,7 @@ class Fault:
 class FaultProxy:
     """Forwards every request to ``upstream`` (``host:port``) unless a fault applies.
 
-    ``injected`` counts the faults applied, ``forwarded`` the requests passed on (per path).
+    ``injected`` records each fault applied (path, kind), ``forwarded`` each path passed on.
     """
 
     def __init__(self, upstream: str) -> None:

@@ -480,6 +480,10 @@ class Tile:
         indptr = self.layout.indptr
         return indptr[rows + 1] - indptr[rows]
 
+    def chunk_of(self, rows: np.ndarray) -> np.ndarray:
+        """Index of the chunk holding each cell in ``rows`` (int64 positions within the tile)."""
+        return np.searchsorted(self.layout.chunks[:, CELL_HI], rows, side="right")
+
     def gather_into(
         self,
         rows: np.ndarray,
@@ -511,7 +515,7 @@ class Tile:
             written row right after its chunk is decoded.
         """
         chosen = np.arange(len(rows), dtype=np.int64) if positions is None else positions
-        chunk_of_row = np.searchsorted(self.layout.chunks[:, CELL_HI], rows[chosen], side="right")
+        chunk_of_row = self.chunk_of(rows[chosen])
         by_chunk = np.argsort(chunk_of_row, kind="stable")
         group_chunks, group_starts = np.unique(chunk_of_row[by_chunk], return_index=True)
         _kernels.gather_into(
