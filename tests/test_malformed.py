@@ -374,6 +374,37 @@ def test_stored_zero_count_is_rejected(blob):
     rejects(replace_frame(blob, 1, 1, zframe(planes(vals))), "stored count of 0")
 
 
+def test_decode_errors_name_the_lowest_bad_chunk_whatever_the_thread_count():
+    # A whole tile decodes each chunk's gene indices and values as separate parallel jobs; the
+    # error is the first in (chunk, gaps before values) order, for any thread count.
+    rng = np.random.default_rng(22)
+    matrix = sp.random(300, 200, density=0.1, format="csr", random_state=rng)
+    matrix.data = np.ceil(matrix.data * 9)
+    many = dc.encode_tile(matrix, n_chunks=12, level=1)
+    vals = _stream(many, 5, 1)
+    vals[0] = 0
+    zero_count = replace_frame(many, 5, 1, zframe(planes(vals)))
+    gaps = _stream(many, 8, 0)
+    gaps[1] = 0  # the second nonzero of a cell: a zero gap
+    both = replace_frame(zero_count, 8, 0, zframe(planes(gaps)))
+    gaps5 = _stream(many, 5, 0)
+    gaps5[-1] = 60000  # the last gene of chunk 5 past n_genes
+    gaps_and_values = replace_frame(zero_count, 5, 0, zframe(planes(gaps5)))
+    for n_threads in (1, 2, 3, 8):
+        for bad, match in (
+            (both, r"chunk 5: .*stored count of 0"),
+            (gaps_and_values, r"chunk 5: .*gene index >= n_genes"),
+        ):
+            with pytest.raises(FormatError, match=match):
+                dc.decode_tile(bad, verify_crc=False, n_threads=n_threads)
+        with pytest.raises(FormatError, match=r"chunk 8: zero gap"):
+            dc.decode_tile(
+                replace_frame(many, 8, 0, zframe(planes(gaps))),
+                verify_crc=False,
+                n_threads=n_threads,
+            )
+
+
 # --- exceptions -------------------------------------------------------------------------------
 
 

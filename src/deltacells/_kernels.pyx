@@ -1,11 +1,11 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Hot loops of the deltacells tile codec: libzstd called directly, the GIL released.
 
-Chunks are the unit of parallelism: every parallel loop runs over chunks under ``prange``, with
-one zstd context and one scratch buffer per thread. Nothing inside a parallel region touches a
-Python object; failures are written to per-chunk status slots and raised once the region is
-over, for the lowest failing chunk, so the error (like the output) does not depend on the
-thread count.
+Chunks are the unit of parallelism: every parallel loop runs over chunks (or, when a whole
+tile is decoded, over each chunk's two streams) under ``prange``, with one zstd context and one
+scratch buffer per thread. Nothing inside a parallel region touches a Python object; failures
+are written to per-job status slots and raised once the region is over, for the lowest failing
+job, so the error (like the output) does not depend on the thread count.
 
 The structure handed to these functions (chunk table, indptr) must come from
 :func:`deltacells.format.parse_layout`; the kernels check what they index anyway, so bad input
@@ -818,8 +818,10 @@ cdef int _decode_chunk(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entr
                        int64_t kv, int64_t kg, int64_t n_genes, const int64_t* indptr,
                        const int64_t* rows, const int64_t* order, int64_t k_lo, int64_t k_hi,
                        const int64_t* out_indptr, int32_t* idx_out, value_t* val_out,
-                       uint8_t* scratch, Chunk* p, int64_t* detail) noexcept nogil:
+                       uint8_t* scratch, Chunk* p, int streams, int64_t* detail) noexcept nogil:
     """Decode one chunk: all its cells in place, or the requested rows to their output rows.
+
+    ``streams`` says what to decode: 1 the gene indices, 2 the values, 3 both.
 
     With ``rows == NULL`` every cell goes to its own place (outputs indexed by tile nonzero).
     Otherwise output row ``j = order[k]`` for ``k`` in ``k_lo..k_hi`` is cell ``rows[j]``,
@@ -831,6 +833,8 @@ cdef int _decode_chunk(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entr
     if st != OK:
         return st
     for which in range(2):
+        if not (streams >> which) & 1:
+            continue
         st = _load_planes(dctx, blob, entry, which, scratch, p, detail)
         if st != OK:
             return st
@@ -894,17 +898,20 @@ cdef int64_t _max_scratch(const int64_t[:, ::1] chunks, const int64_t[:, ::1] ex
 cdef void _decode_jobs(const uint8_t* blob, const int64_t[:, ::1] chunks,
                        const int64_t[:, ::1] exc, int64_t n_genes, const int64_t* indptr,
                        const int64_t* rows, const int64_t* order, const int64_t* job_chunks,
-                       const int64_t* job_starts, Py_ssize_t n_jobs, const int64_t* out_indptr,
+                       const int64_t* job_starts, Py_ssize_t n_jobs, bint split_streams,
+                       const int64_t* out_indptr,
                        int32_t* idx_out, value_t* val_out, const size_t* scratches, int n_threads,
                        const size_t* contexts, const int32_t* col_map, int64_t capacity,
                        int32_t* status, int64_t* detail) noexcept nogil:
     """Run ``_decode_chunk`` for every job in parallel (a job is one chunk).
 
     Without ``rows`` job ``g`` is chunk ``g``; with them it is chunk ``job_chunks[g]`` and its
-    rows ``order[job_starts[g]:job_starts[g + 1]]``. With ``col_map`` (a permutation of the
-    ``n_genes`` columns) each job's output rows are then renumbered and sorted in place by the
-    same thread while they are still in cache (so they are written with regular stores), with
-    sort scratch of ``capacity`` entries.
+    rows ``order[job_starts[g]:job_starts[g + 1]]``. With ``split_streams`` (whole chunks, no
+    ``col_map``) job ``g`` is one stream of chunk ``g // 2``: its gene indices when ``g`` is even,
+    its values when odd: twice as many, smaller jobs leave less idle time at the end. With
+    ``col_map`` (a permutation of the ``n_genes`` columns) each job's output rows are then
+    renumbered and sorted in place by the same thread while they are still in cache (so they
+    are written with regular stores), with sort scratch of ``capacity`` entries.
     """
     cdef Py_ssize_t g
     cdef int64_t c, k, o, length, kept
@@ -923,12 +930,13 @@ cdef void _decode_jobs(const uint8_t* blob, const int64_t[:, ::1] chunks,
                     or (col_map != NULL and not sorting.ready)):
                 status[g] = E_NOMEM
                 continue
-            c = g if rows == NULL else job_chunks[g]
+            c = (g >> 1 if split_streams else g) if rows == NULL else job_chunks[g]
             chunk.stream = col_map == NULL
             st = _decode_chunk(
                 dctx, blob, &chunks[c, 0], exc[c, 0], exc[c, 1], n_genes, indptr, rows, order,
                 0 if rows == NULL else job_starts[g], 0 if rows == NULL else job_starts[g + 1],
-                out_indptr, idx_out, val_out, scratch, chunk, &detail[g])
+                out_indptr, idx_out, val_out, scratch, chunk,
+                1 << (g & 1) if split_streams else 3, &detail[g])
             if st == OK and col_map != NULL:
                 # Whole chunk: its cells in place; selected rows: the output rows of this job.
                 for k in range(chunks[c, CELL_LO] if rows == NULL else job_starts[g],
@@ -981,8 +989,10 @@ def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
     if col_map is not None:
         map_v, capacity = _permutation_scratch(col_map, n_genes, indptr)
         map_p = &map_v[0]
-    status = np.zeros(n_chunks, dtype=np.int32)
-    detail = np.zeros(n_chunks, dtype=np.int64)
+    cdef bint split_streams = col_map is None
+    cdef Py_ssize_t n_jobs = 2 * n_chunks if split_streams else n_chunks
+    status = np.zeros(n_jobs, dtype=np.int32)
+    detail = np.zeros(n_jobs, dtype=np.int64)
     cdef int32_t[::1] status_v = status
     cdef int64_t[::1] detail_v = detail
     cdef int64_t scratch_size = _max_scratch(chunks, exc, range(n_chunks))
@@ -995,12 +1005,13 @@ def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
     try:
         with nogil:
             _decode_jobs(&blob[0], chunks, exc, n_genes, &indptr[0], NULL, NULL, NULL, NULL,
-                         n_chunks, NULL, idx_out, val_out, &scratches_v[0], n_threads,
-                         &contexts_v[0], map_p, capacity, &status_v[0], &detail_v[0])
+                         n_jobs, split_streams, NULL, idx_out, val_out, &scratches_v[0],
+                         n_threads, &contexts_v[0], map_p, capacity, &status_v[0],
+                         &detail_v[0])
     finally:
         _give_back_dctx(contexts)
         _give_back_scratch(scratches)
-    _raise_status(status, detail, where)
+    _raise_status(status, detail, where, np.arange(n_jobs) >> 1 if split_streams else None)
 
 
 def gather_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
@@ -1050,8 +1061,8 @@ def gather_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
     try:
         with nogil:
             _decode_jobs(&blob[0], chunks, exc, n_genes, &indptr[0], &rows[0], &order[0],
-                         &group_chunks[0], &group_starts[0], n_groups, &out_indptr[0], idx_out,
-                         val_out, &scratches_v[0], n_threads, &contexts_v[0], map_p,
+                         &group_chunks[0], &group_starts[0], n_groups, False, &out_indptr[0],
+                         idx_out, val_out, &scratches_v[0], n_threads, &contexts_v[0], map_p,
                          capacity, &status_v[0], &detail_v[0])
     finally:
         _give_back_dctx(contexts)
@@ -1063,11 +1074,12 @@ def decompress_only(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, int n
     """Decompress the gaps and values frames of every chunk and do nothing else.
 
     The speed limit for :func:`decode_into`: the same frames through the same libzstd into
-    per-thread buffers from the same pool, with no post-processing. Returns the decompressed
-    byte count.
+    per-thread buffers from the same pool, as the same jobs (one per frame), with no
+    post-processing. Returns the decompressed byte count.
     """
     cdef Py_ssize_t n_chunks = chunks.shape[0]
-    cdef Py_ssize_t c
+    cdef Py_ssize_t c, g
+    cdef int which
     cdef int64_t n, total = 0, largest = 8
     cdef size_t got
     cdef int failed = 0
@@ -1075,7 +1087,7 @@ def decompress_only(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, int n
     cdef uint8_t* scratch
     cdef const uint8_t* base = &blob[0]
     for c in range(n_chunks):
-        largest = max(largest, 4 * (chunks[c, NNZ_HI] - chunks[c, NNZ_LO]))
+        largest = max(largest, 2 * (chunks[c, NNZ_HI] - chunks[c, NNZ_LO]))
     contexts = _take_dctx(n_threads)
     scratches = _take_scratch(n_threads, largest)
     cdef const size_t[::1] contexts_v = contexts
@@ -1083,16 +1095,15 @@ def decompress_only(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, int n
     with nogil, parallel(num_threads=n_threads):
         dctx = <ZSTD_DCtx*>contexts_v[threadid()]
         scratch = <uint8_t*>scratches_v[threadid()]
-        for c in prange(n_chunks, schedule="dynamic"):
+        for g in prange(2 * n_chunks, schedule="dynamic"):
+            c = g >> 1
+            which = g & 1
             n = chunks[c, NNZ_HI] - chunks[c, NNZ_LO]
-            got = ZSTD_decompressDCtx(dctx, scratch, 2 * n, base + chunks[c, 4], chunks[c, 5])
+            got = ZSTD_decompressDCtx(dctx, scratch, 2 * n, base + chunks[c, 4 + 2 * which],
+                                      chunks[c, 5 + 2 * which])
             if ZSTD_isError(got):
                 failed += 1
-            got = ZSTD_decompressDCtx(dctx, scratch + 2 * n, 2 * n, base + chunks[c, 6],
-                                      chunks[c, 7])
-            if ZSTD_isError(got):
-                failed += 1
-            total += 4 * n
+            total += 2 * n
     _give_back_dctx(contexts)
     _give_back_scratch(scratches)
     if failed:
