@@ -827,7 +827,7 @@ cdef int _decode_chunk(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entr
     Otherwise output row ``j = order[k]`` for ``k`` in ``k_lo..k_hi`` is cell ``rows[j]``,
     written at ``out_indptr[j]``. Gaps are decoded first, then values into the same scratch.
     """
-    cdef int64_t a = entry[NNZ_LO], k, j, r, s, e, o, x
+    cdef int64_t a = entry[NNZ_LO], k, j = 0, r, s, e, o, x
     cdef int which, st
     st = _load_exceptions(dctx, blob, entry, kv, kg, n_genes, scratch, p, detail)
     if st != OK:
@@ -916,9 +916,9 @@ cdef void _decode_jobs(const uint8_t* blob, const int64_t[:, ::1] chunks,
     cdef Py_ssize_t g
     cdef int64_t c, k, o, length, kept
     cdef int st
-    cdef ZSTD_DCtx* dctx
-    cdef uint8_t* scratch
-    cdef Chunk* chunk
+    cdef ZSTD_DCtx* dctx = NULL  # set per thread; initialized so the firstprivate copy is defined
+    cdef uint8_t* scratch = NULL
+    cdef Chunk* chunk = NULL
     cdef SortScratch sorting
     with parallel(num_threads=n_threads):
         dctx = <ZSTD_DCtx*>contexts[threadid()]
@@ -1083,8 +1083,8 @@ def decompress_only(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, int n
     cdef int64_t n, total = 0, largest = 8
     cdef size_t got
     cdef int failed = 0
-    cdef ZSTD_DCtx* dctx
-    cdef uint8_t* scratch
+    cdef ZSTD_DCtx* dctx = NULL  # set per thread; initialized so the firstprivate copy is defined
+    cdef uint8_t* scratch = NULL
     cdef const uint8_t* base = &blob[0]
     for c in range(n_chunks):
         largest = max(largest, 2 * (chunks[c, NNZ_HI] - chunks[c, NNZ_LO]))
@@ -1165,7 +1165,7 @@ def encode_chunks(const int64_t[::1] indptr, const int32_t[::1] indices,
     cdef Py_ssize_t c
     cdef int64_t lo, hi, a, b, n, i, r, kv, kg, gap, prev, s, e
     cdef int f, st
-    cdef ZSTD_CCtx* cctx
+    cdef ZSTD_CCtx* cctx = NULL
     cdef uint8_t* planes
     cdef uint32_t* vexc
     cdef uint32_t* gexc
