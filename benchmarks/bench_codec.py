@@ -62,8 +62,8 @@ def tiles_of(matrix: sp.csr_matrix, size: int | None, level: int, n_threads: int
     ]
 
 
-def interleaved_medians(variants: dict, repeats: int) -> dict:
-    """Median seconds of each variant, timed round-robin so machine noise hits all alike."""
+def interleaved_times(variants: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each variant per repeat, timed round-robin so machine noise hits all alike."""
     times: dict = {name: [] for name in variants}
     for fn in variants.values():
         fn()  # warm-up
@@ -72,16 +72,35 @@ def interleaved_medians(variants: dict, repeats: int) -> dict:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
-def decode_speeds(blobs: list[bytes], repeats: int) -> dict:
+def speed_summary(seconds: dict[str, float], nnz: int) -> dict:
+    """nonzeros/s of each variant, decode / zstd-only ratios and 2-thread speed-ups."""
+    out = {name: nnz / s for name, s in seconds.items()}
+    for n in (1, 2):
+        out[f"ratio_fresh_vs_zstd_{n}t"] = out[f"decode_fresh_{n}t"] / out[f"zstd_only_{n}t"]
+        out[f"ratio_reused_vs_zstd_{n}t"] = out[f"decode_reused_{n}t"] / out[f"zstd_only_{n}t"]
+    out["speedup_2t_decode_fresh"] = out["decode_fresh_2t"] / out["decode_fresh_1t"]
+    out["speedup_2t_decode_reused"] = out["decode_reused_2t"] / out["decode_reused_1t"]
+    out["speedup_2t_zstd_only"] = out["zstd_only_2t"] / out["zstd_only_1t"]
+    return out
+
+
+ROUND_KEYS = ("ratio_fresh_vs_zstd_1t", "speedup_2t_decode_fresh", "speedup_2t_zstd_only")
+
+
+def decode_speeds(blobs: list[bytes], repeats: int, rounds: int) -> dict:
     """nonzeros/s of decode variants and of zstd alone over all tiles, on 1 and 2 threads.
 
     "fresh" allocates new output arrays per call (what ``Tile.decode`` does), "reused" decodes
     into preallocated ones; ``decode_tile`` also parses and checks the tile (with or without
     the CRC). ``zstd_only`` decompresses the same frames with the same libzstd into a reused
     per-thread buffer and does nothing else: the speed limit.
+
+    The variants are timed in ``rounds`` rounds of ``repeats`` interleaved repeats. The main
+    figures are medians over all repeats; ``rounds`` lists each round's own ratios, because the
+    2-thread figures of a shared machine drift between rounds a few seconds apart.
     """
     tiles = [dc.Tile(b) for b in blobs]
     nnz = sum(t.nnz for t in tiles)
@@ -107,14 +126,13 @@ def decode_speeds(blobs: list[bytes], repeats: int) -> dict:
             ],
             f"crc_only_{n}t": lambda n=n: [_kernels.crc32_range(t._buf, 64, n) for t in tiles],
         }
-    seconds = interleaved_medians(variants, repeats)
-    out = {name: nnz / s for name, s in seconds.items()}
-    for n in (1, 2):
-        out[f"ratio_fresh_vs_zstd_{n}t"] = out[f"decode_fresh_{n}t"] / out[f"zstd_only_{n}t"]
-        out[f"ratio_reused_vs_zstd_{n}t"] = out[f"decode_reused_{n}t"] / out[f"zstd_only_{n}t"]
-    out["speedup_2t_decode_fresh"] = out["decode_fresh_2t"] / out["decode_fresh_1t"]
-    out["speedup_2t_decode_reused"] = out["decode_reused_2t"] / out["decode_reused_1t"]
-    out["speedup_2t_zstd_only"] = out["zstd_only_2t"] / out["zstd_only_1t"]
+    per_round = [interleaved_times(variants, repeats) for _ in range(rounds)]
+    pooled = {name: statistics.median(t for r in per_round for t in r[name]) for name in variants}
+    out = speed_summary(pooled, nnz)
+    out["rounds"] = []
+    for times in per_round:
+        summary = speed_summary({name: statistics.median(t) for name, t in times.items()}, nnz)
+        out["rounds"].append({key: summary[key] for key in ROUND_KEYS})
     return out
 
 
@@ -155,7 +173,7 @@ def plot(results: dict, path: Path) -> None:
     axes[0].set_xlabel("bytes per nonzero (smaller is better)")
     axes[0].set_title("Size of X")
     speeds = results["decode"]["10k-cell tiles"]
-    keys = [k for k in speeds if not k.startswith(("ratio", "speedup", "crc"))]
+    keys = [k for k in speeds if not k.startswith(("ratio", "speedup", "crc", "rounds"))]
     axes[1].barh(keys, [speeds[k] / 1e6 for k in keys], color="tab:green")
     axes[1].set_xlabel("million nonzeros / s")
     axes[1].set_title("Decode, 10k-cell tiles (higher is better)")
@@ -175,6 +193,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=3, help="decode timing rounds (see JSON)")
     parser.add_argument("--levels", default="1,2,3,5,7,9,12,15,19")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "codec.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "_static" / "bench_codec.png")
@@ -187,7 +206,8 @@ def main() -> None:
     nnz = matrix.nnz
     print(f"{args.data.name}: {matrix.shape[0]} cells x {matrix.shape[1]} genes, {nnz} nonzeros")
     results: dict = {"data": args.data.name, "shape": list(matrix.shape), "nnz": nnz,
-                     "machine": machine(), "repeats": args.repeats, "default_level": DEFAULT_LEVEL,
+                     "machine": machine(), "repeats": args.repeats, "rounds": args.rounds,
+                     "default_level": DEFAULT_LEVEL,
                      "command": "python benchmarks/bench_codec.py"}  # fmt: skip
 
     workdir = Path(tempfile.mkdtemp(prefix="dc-bench-"))
@@ -219,10 +239,13 @@ def main() -> None:
     for layout, size in (("one tile", None), ("10k-cell tiles", 10_000)):
         print(f"decode ({layout}, default level, sorted genes):")
         blobs = tiles_of(sorted_matrix, size, DEFAULT_LEVEL, 2)
-        speeds = decode_speeds(blobs, args.repeats)
+        speeds = decode_speeds(blobs, args.repeats, args.rounds)
         results["decode"][layout] = speeds
         for key, value in speeds.items():
-            if key.startswith(("ratio", "speedup")):
+            if key == "rounds":
+                for i, r in enumerate(value):
+                    print(f"  round {i + 1}: " + ", ".join(f"{k} {r[k]:.3f}" for k in ROUND_KEYS))
+            elif key.startswith(("ratio", "speedup")):
                 print(f"  {key}: {value:.3f}")
             else:
                 print(f"  {key}: {value / 1e6:,.1f} M nnz/s")
