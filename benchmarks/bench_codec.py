@@ -13,6 +13,7 @@ import json
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -98,9 +99,10 @@ def decode_speeds(blobs: list[bytes], repeats: int, rounds: int) -> dict:
     the CRC). ``zstd_only`` decompresses the same frames with the same libzstd into a reused
     per-thread buffer and does nothing else: the speed limit.
 
-    The variants are timed in ``rounds`` rounds of ``repeats`` interleaved repeats. The main
-    figures are medians over all repeats; ``rounds`` lists each round's own ratios, because the
-    2-thread figures of a shared machine drift between rounds a few seconds apart.
+    The variants are timed in ``rounds`` rounds of ``repeats`` interleaved repeats, because
+    the figures of a shared machine drift between rounds a few seconds apart. Throughputs are
+    medians over all repeats; each ratio and speed-up is the median of its per-round values
+    (a ratio of pooled medians would mix rounds), and ``rounds`` lists the main ones per round.
     """
     tiles = [dc.Tile(b) for b in blobs]
     nnz = sum(t.nnz for t in tiles)
@@ -129,10 +131,40 @@ def decode_speeds(blobs: list[bytes], repeats: int, rounds: int) -> dict:
     per_round = [interleaved_times(variants, repeats) for _ in range(rounds)]
     pooled = {name: statistics.median(t for r in per_round for t in r[name]) for name in variants}
     out = speed_summary(pooled, nnz)
-    out["rounds"] = []
-    for times in per_round:
-        summary = speed_summary({name: statistics.median(t) for name, t in times.items()}, nnz)
-        out["rounds"].append({key: summary[key] for key in ROUND_KEYS})
+    summaries = [
+        speed_summary({name: statistics.median(t) for name, t in times.items()}, nnz)
+        for times in per_round
+    ]
+    for key in out:
+        if key.startswith(("ratio", "speedup")):
+            out[key] = statistics.median(summary[key] for summary in summaries)
+    out["rounds"] = [{key: summary[key] for key in ROUND_KEYS} for summary in summaries]
+    return out
+
+
+def memory_copy_speeds(n_bytes: int, repeats: int) -> dict:
+    """GB/s moved (read + write) by numpy copying ``n_bytes`` on 1 thread and on 2 threads.
+
+    A probe of how this machine's memory bandwidth grows with the second core. Decoding must
+    write its output (8 bytes per nonzero) to memory, which zstd alone does not, so its 2-thread
+    speed-up is held to something between zstd's and this one.
+    """
+    src = np.ones(n_bytes // 4, np.float32)
+    dst = np.zeros_like(src)
+    middle = len(src) // 2
+    halves = [(dst[:middle], src[:middle]), (dst[middle:], src[middle:])]
+
+    def two_threads() -> None:  # numpy releases the GIL while copying
+        threads = [threading.Thread(target=np.copyto, args=half) for half in halves]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    seconds = interleaved_times({"1t": lambda: np.copyto(dst, src), "2t": two_threads}, repeats)
+    out = {f"copy_gb_per_s_{n}": 2 * src.nbytes / statistics.median(t) / 1e9
+           for n, t in seconds.items()}  # fmt: skip
+    out["speedup_2t"] = out["copy_gb_per_s_2t"] / out["copy_gb_per_s_1t"]
     return out
 
 
@@ -249,6 +281,12 @@ def main() -> None:
                 print(f"  {key}: {value:.3f}")
             else:
                 print(f"  {key}: {value / 1e6:,.1f} M nnz/s")
+
+    copy = memory_copy_speeds(8 * nnz, args.repeats)
+    results["memory_copy_of_decoded_size"] = copy
+    print(f"numpy copy of {8 * nnz / 1e6:.0f} MB (the decoded size): "
+          f"{copy['copy_gb_per_s_1t']:.1f} GB/s on 1 thread, {copy['copy_gb_per_s_2t']:.1f} on 2 "
+          f"(speed-up {copy['speedup_2t']:.2f})")  # fmt: skip
 
     print("encode of the same data (2 threads):")
     encode_s = median_time(lambda: dc.encode_tile(sorted_matrix, n_threads=2), 3)
