@@ -899,11 +899,11 @@ cdef void _decode_jobs(const uint8_t* blob, const int64_t[:, ::1] chunks,
                        const int64_t[:, ::1] exc, int64_t n_genes, const int64_t* indptr,
                        const int64_t* rows, const int64_t* order, const int64_t* job_chunks,
                        const int64_t* job_starts, Py_ssize_t n_jobs, bint split_streams,
-                       const int64_t* out_indptr,
-                       int32_t* idx_out, value_t* val_out, const size_t* scratches, int n_threads,
+                       const int64_t* out_indptr, int32_t* idx_out, value_t* val_out,
+                       const size_t* scratches, int n_threads,
                        const size_t* contexts, const int32_t* col_map, int64_t capacity,
                        int32_t* status, int64_t* detail) noexcept nogil:
-    """Run ``_decode_chunk`` for every job in parallel (a job is one chunk).
+    """Run ``_decode_chunk`` for every job in parallel (a job is a chunk or one of its streams).
 
     Without ``rows`` job ``g`` is chunk ``g``; with them it is chunk ``job_chunks[g]`` and its
     rows ``order[job_starts[g]:job_starts[g + 1]]``. With ``split_streams`` (whole chunks, no
