@@ -94,8 +94,8 @@ class CountError(ValueError):
         Row and column of the first offending entry.
     """
 
-    def __init__(self, problem: str, cell: int, gene: int) -> None:
-        super().__init__(f"{problem} at cell {cell}, gene {gene}")
+    def __init__(self, problem: str, cell: int, gene: int, *, message: str | None = None) -> None:
+        super().__init__(message or f"{problem} at cell {cell}, gene {gene}")
         self.problem, self.cell, self.gene = problem, cell, gene
 
 
@@ -169,7 +169,9 @@ def canonical_csr(matrix: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, tupl
         bad = data < 0
         if bad.any():
             _raise_first("negative count", bad, indptr, indices)
-        bad = data > MAX_COUNT
+        # Floats compare against 2^31 itself, which every float type holds exactly: against
+        # 2^31 - 1 NumPy 2 rounds the bound to the array's float32, and 2^31 would pass.
+        bad = data >= data.dtype.type(2**31) if kind == "f" else data > MAX_COUNT
         if bad.any():
             _raise_first("count >= 2^31", bad, indptr, indices)
     zeros = data == 0

@@ -34,6 +34,8 @@ READABLE_DATASET_VERSIONS = (1, 2)
 OBS_FORMAT = "deltacells-obs"
 OBS_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+#: Largest manifest read (a 100M-cell dataset's is a few MB); bigger ones are refused unread.
+MAX_MANIFEST_BYTES = 64 * 2**20
 GENE_ORDER_NAME = "gene_order.npy"
 VAR_NAMES_NAME = "var_names.txt"
 VAR_TABLE_NAME = "var.parquet"

@@ -8,9 +8,15 @@ object stores.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import shutil
+import stat
 import tempfile
+import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -20,11 +26,125 @@ import pyarrow as pa
 
 from deltacells.format import FormatError
 
-__all__ = ["StorageError", "Store", "open_store"]
+__all__ = ["DEFAULT_DEADLINE", "DEFAULT_TIMEOUT", "StorageError", "Store", "open_store"]
+
+#: Seconds one request to a remote store may take before it is abandoned and retried
+#: (``$DELTACELLS_TIMEOUT`` overrides it).
+DEFAULT_TIMEOUT = 20.0
+#: Seconds one operation on a remote store (a read, a size, a listing) may take in all, retries
+#: and waits included, before :class:`StorageError` (``$DELTACELLS_DEADLINE`` overrides it).
+DEFAULT_DEADLINE = 60.0
 
 
 class StorageError(OSError):
-    """Reading from a store kept failing after retries (the message names the URL)."""
+    """Reading from a store kept failing after retries or ran past its deadline (the message
+    names the URL, the attempts and the last cause)."""
+
+
+def _env_seconds(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"${name} must be a number of seconds, not {value!r}") from None
+    if not seconds > 0:
+        raise ValueError(f"${name} must be > 0, not {value!r}")
+    return seconds
+
+
+def _describe_error(err: BaseException) -> str:
+    """``Type: message`` (timeouts often carry no message at all)."""
+    text = str(err)
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+class _AttemptTimeout(TimeoutError):
+    """One request took longer than the store's ``timeout``."""
+
+
+def _call_with_timeout(call, seconds: float):
+    """``call()`` in a daemon thread, abandoned after ``seconds``.
+
+    Remote clients do not all bound a request that a server accepts and never answers, and a
+    thread blocked in one must not keep the interpreter from exiting, hence a daemon thread
+    rather than a pool (whose threads are joined at exit).
+    """
+    done = threading.Event()
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as err:  # handed to the caller's thread
+            outcome.append((False, err))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="deltacells-request", daemon=True).start()
+    if not done.wait(seconds):
+        raise _AttemptTimeout(f"no answer within {seconds:g} s")
+    ok, value = outcome[0]
+    if ok:
+        return value
+    raise value
+
+
+def _current_umask() -> int:
+    """The process umask, read without changing it where Linux allows."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)  # elsewhere: set and restore (not thread-safe, but brief)
+    os.umask(old)
+    return old
+
+
+def _renameat2_exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths with Linux's ``renameat2(RENAME_EXCHANGE)``; False where the
+    C library or the file system does not offer it."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                          ctypes.c_uint]  # fmt: skip
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), a)
+
+
+def _with_client_timeouts(url: str, options: dict, timeout: float) -> dict:
+    """``options`` plus connect/read timeouts for the clients that take them (s3fs, fsspec's
+    HTTP), unless already set: a request abandoned by :func:`_call_with_timeout` then also
+    ends in its own thread instead of waiting minutes for the server."""
+    protocol = url.split("://", 1)[0]
+    options = dict(options)
+    if protocol in ("s3", "s3a"):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", timeout)
+        config.setdefault("read_timeout", timeout)
+        options["config_kwargs"] = config
+    elif protocol in ("http", "https"):
+        client = dict(options.get("client_kwargs") or {})
+        if "timeout" not in client:
+            import aiohttp
+
+            client["timeout"] = aiohttp.ClientTimeout(
+                total=None, sock_connect=timeout, sock_read=timeout
+            )
+        options["client_kwargs"] = client
+    return options
 
 
 def _is_url(path: str) -> bool:
@@ -45,6 +165,17 @@ class Store:
         doubling each time.
     io_threads
         Threads for background prefetching.
+    timeout
+        Remote stores: seconds one request may take before it is abandoned and retried
+        (default :data:`DEFAULT_TIMEOUT`, or ``$DELTACELLS_TIMEOUT``). Also passed to s3fs and
+        fsspec's HTTP client as their connect and read timeouts unless ``storage_options``
+        sets them.
+    deadline
+        Remote stores: seconds one operation may take in all, retries included (default
+        :data:`DEFAULT_DEADLINE`, or ``$DELTACELLS_DEADLINE``).
+    follow_external_links
+        Local directories: read files that are symbolic links leading out of the dataset's
+        root (refused by default, as are FIFOs, devices and other non-regular files).
     """
 
     def __getstate__(self) -> dict:
@@ -55,6 +186,9 @@ class Store:
             "retries": self.retries,
             "backoff": self.backoff,
             "io_threads": self.io_threads,
+            "timeout": self.timeout,
+            "deadline": self.deadline,
+            "follow_external_links": self.follow_external_links,
         }
 
     def __setstate__(self, state: dict) -> None:
@@ -69,11 +203,21 @@ class Store:
         retries: int = 4,
         backoff: float = 0.05,
         io_threads: int = 8,
+        timeout: float | None = None,
+        deadline: float | None = None,
+        follow_external_links: bool = False,
     ) -> None:
         root = os.fspath(root)
         self.url = root
         self.storage_options = dict(storage_options or {})
         self.retries, self.backoff, self.io_threads = retries, backoff, io_threads
+        self.timeout = _env_seconds("DELTACELLS_TIMEOUT", DEFAULT_TIMEOUT) if timeout is None \
+            else float(timeout)  # fmt: skip
+        self.deadline = _env_seconds("DELTACELLS_DEADLINE", DEFAULT_DEADLINE) \
+            if deadline is None else float(deadline)  # fmt: skip
+        if not (self.timeout > 0 and self.deadline > 0):
+            raise ValueError("timeout and deadline must be > 0 seconds")
+        self.follow_external_links = follow_external_links
         self._executor: ThreadPoolExecutor | None = None
         self._executor_pid = os.getpid()
         if root.startswith("file://"):
@@ -81,11 +225,13 @@ class Store:
         self.is_local = not _is_url(root)
         if self.is_local:
             self._root = Path(root)
+            self._real_root: str | None = None
             self._fs: Any = None
         else:
             import fsspec
 
-            self._fs, self._root_path = fsspec.core.url_to_fs(root, **self.storage_options)
+            options = _with_client_timeouts(root, self.storage_options, self.timeout)
+            self._fs, self._root_path = fsspec.core.url_to_fs(root, **options)
 
     # -- naming --------------------------------------------------------------------------------
 
@@ -105,65 +251,133 @@ class Store:
     def _retrying(self, what: str, name: str, call):
         """Run ``call()``, retrying transient failures with exponential backoff.
 
-        A missing object is not transient: it raises FormatError at once. Anything else that
-        keeps failing raises :class:`StorageError` naming the URL and the attempts made.
+        A missing object is not transient: it raises FormatError at once. On remote stores
+        each attempt is abandoned after ``timeout`` seconds and no attempt starts past
+        ``deadline`` seconds from the first. Anything that keeps failing raises
+        :class:`StorageError` naming the URL, the attempts made, the time taken and the last
+        cause.
         """
         delay = self.backoff
+        start = time.monotonic()
         for attempt in range(1, self.retries + 2):
             try:
-                return call()
+                if self.is_local:
+                    return call()
+                remaining = self.deadline - (time.monotonic() - start)
+                return _call_with_timeout(call, max(0.0, min(self.timeout, remaining)))
             except FileNotFoundError:
                 raise FormatError(f"{self.describe(name)}: missing") from None
             except (OSError, TimeoutError, ConnectionError) as err:
-                if attempt > self.retries:
+                elapsed = time.monotonic() - start
+                out_of_time = elapsed + delay >= self.deadline and not self.is_local
+                if attempt > self.retries or out_of_time:
+                    why = f" (deadline {self.deadline:g} s)" if out_of_time else ""
                     raise StorageError(
-                        f"{self.describe(name)}: {what} failed {attempt} times; last error: {err}"
+                        f"{self.describe(name)}: {what} failed {attempt} times in "
+                        f"{elapsed:.1f} s{why}; last error: {_describe_error(err)}"
                     ) from err
                 time.sleep(delay)
                 delay *= 2
         raise AssertionError("unreachable")  # pragma: no cover
 
+    # -- local files: regular files inside the root only -----------------------------------------
+
+    def _inside_root(self, path: str) -> bool:
+        if self._real_root is None:
+            self._real_root = os.path.realpath(self._root)
+        real = os.path.realpath(path)
+        return real == self._real_root or real.startswith(self._real_root.rstrip(os.sep) + os.sep)
+
+    def _open_local(self, name: str) -> int:
+        """A read-only descriptor of local file ``name``, refusing links out of the root and
+        anything but a regular file (a FIFO would block the reader forever)."""
+        path = self._path(name)
+        if not self.follow_external_links and not self._inside_root(path):
+            raise FormatError(
+                f"{self.describe(name)}: a symbolic link leading out of the dataset's root; "
+                "refused (pass follow_external_links=True to read it)"
+            )
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; regular files ignore it.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+                raise FormatError(f"{self.describe(name)}: {kind}; refused")
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _local_file(self, name: str):
+        return os.fdopen(self._open_local(name), "rb", buffering=0)
+
+    def _read_local(self, name: str) -> bytes:
+        with self._local_file(name) as f:
+            return f.readall()
+
     def exists(self, name: str) -> bool:
         """Whether object ``name`` exists."""
         if self.is_local:
-            return Path(self._path(name)).exists()
+            return os.path.lexists(self._path(name))
         return self._retrying("exists", name, lambda: self._fs.exists(self._path(name)))
 
     def size(self, name: str) -> int:
         """Size of object ``name`` in bytes."""
         if self.is_local:
-            return self._retrying("stat", name, lambda: os.stat(self._path(name)).st_size)
+
+            def local_size() -> int:
+                with self._local_file(name) as f:
+                    return os.fstat(f.fileno()).st_size
+
+            return self._retrying("stat", name, local_size)
         return self._retrying("size", name, lambda: int(self._fs.size(self._path(name))))
 
-    def read_bytes(self, name: str) -> bytes:
-        """The whole object ``name``."""
+    def read_bytes(self, name: str, max_size: int | None = None) -> bytes:
+        """The whole object ``name``.
+
+        With ``max_size``, an object larger than that raises :class:`FormatError` before it
+        is read (for files whose size no manifest records, e.g. the manifest itself).
+        """
+        if max_size is not None:
+            data = self.read_buffer(name, max_size=max_size)
+            return data.tobytes()
         if self.is_local:
-            return self._retrying("read", name, lambda: Path(self._path(name)).read_bytes())
+            return self._retrying("read", name, lambda: self._read_local(name))
         return self._retrying("read", name, lambda: self._fs.cat_file(self._path(name)))
 
-    def read_buffer(self, name: str, size: int | None = None) -> np.ndarray:
+    def read_buffer(
+        self, name: str, size: int | None = None, *, max_size: int | None = None
+    ) -> np.ndarray:
         """The whole object ``name`` as a ``uint8`` array.
 
         With ``size`` (what a manifest says the object holds) an object of another size raises
         :class:`FormatError` before anything that size is allocated: local files are checked
-        with ``fstat``, remote ones are read only up to one byte past ``size``. Local files are
-        read into memory from pyarrow's pool: large reads into fresh ``bytes`` cost a page fault
-        per 4 KiB, about three quarters of the time of a tile read.
+        with ``fstat``, remote ones are read only up to one byte past ``size``. ``max_size``
+        likewise refuses objects larger than that. Local files are read into memory from
+        pyarrow's pool: large reads into fresh ``bytes`` cost a page fault per 4 KiB, about
+        three quarters of the time of a tile read.
         """
         if not self.is_local:
-            if size is None:
+            if size is None and max_size is None:
                 return np.frombuffer(self.read_bytes(name), dtype=np.uint8)
-            data = self.read_range(name, 0, size + 1)
-            if len(data) != size:
+            limit = size if size is not None else max_size
+            data = self.read_range(name, 0, limit + 1)
+            if size is not None and len(data) != size:
                 got = f"more than {size}" if len(data) > size else str(len(data))
                 raise self._size_error(name, got, size)
+            if len(data) > limit:
+                raise self._too_large(name, limit)
             return np.frombuffer(data, dtype=np.uint8)
 
         def read() -> np.ndarray:
-            with open(self._path(name), "rb", buffering=0) as f:
+            with self._local_file(name) as f:
                 actual = os.fstat(f.fileno()).st_size
                 if size is not None and actual != size:
                     raise self._size_error(name, str(actual), size)
+                if max_size is not None and actual > max_size:
+                    raise self._too_large(name, max_size)
                 if actual == 0:
                     return np.zeros(0, dtype=np.uint8)
                 out = np.frombuffer(pa.allocate_buffer(actual), dtype=np.uint8)
@@ -182,12 +396,15 @@ class Store:
     def _size_error(self, name: str, got: str, expected: int) -> FormatError:
         return FormatError(f"{self.describe(name)}: {got} bytes, the manifest says {expected}")
 
+    def _too_large(self, name: str, limit: int) -> FormatError:
+        return FormatError(f"{self.describe(name)}: larger than {limit} bytes; refused")
+
     def read_range(self, name: str, start: int, stop: int) -> bytes:
         """Bytes ``start:stop`` of object ``name``."""
         if self.is_local:
 
             def read() -> bytes:
-                with open(self._path(name), "rb") as f:
+                with self._local_file(name) as f:
                     return os.pread(f.fileno(), stop - start, start)
 
             return self._retrying("ranged read", name, read)
@@ -214,7 +431,7 @@ class Store:
     def open(self, name: str):
         """A seekable binary file object for ``name`` (ranged reads on remote stores)."""
         if self.is_local:
-            return self._retrying("open", name, lambda: open(self._path(name), "rb"))
+            return self._retrying("open", name, lambda: self._local_file(name))
         return self._retrying("open", name, lambda: self._fs.open(self._path(name), "rb"))
 
     def list(self, prefix: str = "") -> list[str]:
@@ -227,20 +444,44 @@ class Store:
                 return [prefix]
             return sorted(str(p.relative_to(self._root)) for p in base.rglob("*") if p.is_file())
         base = self._path(prefix)
-        if not self._fs.exists(base):
+        if not self._retrying("list", prefix, lambda: self._fs.exists(base)):
             return []
         root = self._root_path.rstrip("/") + "/"
-        return sorted(p[len(root) :] if p.startswith(root) else p for p in self._fs.find(base))
+        found = self._retrying("list", prefix, lambda: self._fs.find(base))
+        return sorted(p[len(root) :] if p.startswith(root) else p for p in found)
+
+    def entries(self) -> list[tuple[str, str]]:
+        """Everything below the root as ``(relative name, kind)``, kind being ``"file"``,
+        ``"dir"``, ``"link"`` (a symbolic link, not followed) or ``"other"`` (FIFO, socket,
+        device). Object stores only have files."""
+        if not self.is_local:
+            return [(name, "file") for name in self.list()]
+        if not self._root.is_dir():
+            return []
+        out = []
+        for dirpath, dirnames, filenames in os.walk(self._root, followlinks=False):
+            for entry in [*dirnames, *filenames]:
+                full = os.path.join(dirpath, entry)
+                mode = os.lstat(full).st_mode
+                kind = ("link" if stat.S_ISLNK(mode) else "dir" if stat.S_ISDIR(mode)
+                        else "file" if stat.S_ISREG(mode) else "other")  # fmt: skip
+                out.append((os.path.relpath(full, self._root), kind))
+        return sorted(out)
 
     # -- writing -------------------------------------------------------------------------------
 
     def write_atomic(self, name: str, data: bytes) -> None:
-        """Write object ``name`` so that it appears whole or not at all."""
+        """Write object ``name`` so that it appears whole or not at all.
+
+        Local files get the permissions any other writer would give them (``0666`` less the
+        umask), not ``mkstemp``'s private ``0600``.
+        """
         if self.is_local:
             target = Path(self._path(name))
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
             try:
+                os.fchmod(fd, 0o666 & ~_current_umask())
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
                     f.flush()
@@ -259,19 +500,71 @@ class Store:
         elif self._fs.exists(self._path(name)):
             self._fs.rm_file(self._path(name))
 
-    def remove_all(self) -> None:
-        """Delete everything below the root (the root itself stays)."""
+    def remove_tree(self) -> None:
+        """Delete the root and everything below it (the caller has checked it is ours)."""
+        if self.is_local:
+            if os.path.lexists(self._root):
+                shutil.rmtree(self._root)
+            return
         for name in self.list():
             self.remove(name)
-        if self.is_local:
-            for d in sorted(self._root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-                if d.is_dir():
-                    d.rmdir()
 
     def make_root(self) -> None:
-        """Create the root directory (a no-op on object stores)."""
+        """Create the root directory (a no-op on object stores); honours the umask."""
         if self.is_local:
             self._root.mkdir(parents=True, exist_ok=True)
+
+    # -- replacing a dataset -----------------------------------------------------------------------
+
+    def staging_sibling(self) -> Store:
+        """A new, empty store beside this one (same parent directory or bucket prefix) in
+        which a replacement is written before :meth:`replace_with` moves it here."""
+        tag = f".deltacells-staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        options = {"retries": self.retries, "backoff": self.backoff,
+                   "io_threads": self.io_threads, "timeout": self.timeout,
+                   "deadline": self.deadline}  # fmt: skip
+        if self.is_local:
+            root = self._root.resolve() if self._root.is_symlink() else self._root.absolute()
+            staged = root.parent / f".{root.name}{tag}"
+            staged.mkdir(mode=0o777)  # the umask applies, as for any new directory
+            return Store(staged, **options)
+        return Store(self.url.rstrip("/") + tag, self.storage_options, **options)
+
+    def replace_with(self, staged: Store) -> None:
+        """Make the complete dataset in ``staged`` this store's content, then delete the old.
+
+        Local directories are swapped in one atomic ``renameat2(RENAME_EXCHANGE)`` where Linux
+        offers it (otherwise two renames, the old one kept aside until the new is in place),
+        so a reader or a crash sees either the old dataset or the new one. Object stores have
+        no rename: the old manifest is removed first (the old dataset is then incomplete),
+        the staged objects are copied over, the manifest last, and the staged copy, complete
+        and readable at its own prefix until then, is deleted.
+        """
+        if self.is_local:
+            root = self._root.resolve() if self._root.is_symlink() else self._root.absolute()
+            if not os.path.lexists(root):
+                os.rename(staged._root, root)
+                return
+            # The replacement keeps the old folder's permissions (e.g. group-shared).
+            os.chmod(staged._root, stat.S_IMODE(os.stat(root).st_mode))
+            if not _renameat2_exchange(str(staged._root), str(root)):
+                aside = root.parent / f".{root.name}.deltacells-old-{uuid.uuid4().hex[:8]}"
+                os.rename(root, aside)
+                os.rename(staged._root, root)
+                os.rename(aside, staged._root)
+            shutil.rmtree(staged._root)  # now the old dataset
+            return
+        from deltacells.manifest import MANIFEST_NAME
+
+        new_names = staged.list()
+        self.remove(MANIFEST_NAME)
+        for name in self.list():
+            if name not in new_names:
+                self.remove(name)
+        for name in sorted(new_names, key=lambda n: n == MANIFEST_NAME):
+            copy = staged._path(name), self._path(name)
+            self._retrying("copy", name, lambda c=copy: self._fs.copy(*c))
+        staged.remove_tree()
 
 
 def open_store(root: str | os.PathLike | Store, storage_options: dict | None = None) -> Store:

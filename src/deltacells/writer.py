@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -26,9 +27,11 @@ import scipy.sparse as sp
 
 from deltacells import _kernels
 from deltacells.codec import DEFAULT_LEVEL, DEFAULT_N_CHUNKS, CountError, canonical_csr, encode_tile
+from deltacells.format import MAGIC, FormatError
 from deltacells.manifest import (
     GENE_ORDER_NAME,
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     OBS_INDEX_COLUMN,
     OBS_SCHEMA_NAME,
     VAR_NAMES_NAME,
@@ -334,7 +337,16 @@ def _infer_obs_schema(
     if OBS_INDEX_COLUMN in obs.columns:
         raise ValueError(f"obs has a column named {OBS_INDEX_COLUMN!r}, which holds obs_names")
     index = pd.Series(obs.index.astype(str), dtype=object)
-    series_list = [(OBS_INDEX_COLUMN, index)] + [(str(c), obs[c]) for c in obs.columns]
+    stored_names = [str(c) for c in obs.columns]
+    clashes = sorted({n for n in stored_names if stored_names.count(n) > 1})
+    if clashes:
+        raise ValueError(
+            f"obs columns {[c for c in obs.columns if str(c) in clashes]!r} would all be stored "
+            f"as {clashes[0]!r} (column names are stored as strings); rename one of them"
+        )
+    series_list = [(OBS_INDEX_COLUMN, index)] + [
+        (name, obs.iloc[:, i]) for i, name in enumerate(stored_names)
+    ]
     for name, series in series_list:
         column, maker = _obs_column(
             name, series, max_categories, force_string=name == OBS_INDEX_COLUMN
@@ -465,10 +477,11 @@ def _check_and_total(
         except CountError as err:
             cell = start + err.cell
             raise CountError(
-                f"{part.label}: {err.problem} at cell {cell} ({part.obs.index[cell]!r}), "
-                f"gene {err.gene} ({part.var.index[err.gene]!r})",
+                err.problem,
                 cell,
                 err.gene,
+                message=f"{part.label}: {err.problem} at cell {cell} "
+                f"({part.obs.index[cell]!r}), gene {err.gene} ({part.var.index[err.gene]!r})",
             ) from None
         part_totals = np.bincount(indices, weights=data, minlength=shape[1])
         mapped = col_maps[p]
@@ -527,24 +540,58 @@ def _progress_factory(progress: bool) -> Callable:
     return lambda iterable, **kwargs: tqdm(iterable, unit="tile", leave=False, **kwargs)
 
 
-def _prepare_target(store: Store, overwrite: bool) -> None:
-    existing = store.list()
-    if not existing:
-        store.make_root()
-        return
+#: Names a dataset written by this package may hold (FORMAT.md's layout plus the writer's
+#: own files and the temporary files of an interrupted atomic write).
+_OWN_FILE = re.compile(
+    r"(manifest\.json|gene_order\.npy|var_names\.txt|var\.parquet|cell_order\.npy"
+    r"|obs/schema\.json|tiles/tile_\d{6}\.dct|obs/obs_\d{4}\.parquet"
+    r"|((tiles|obs)/)?\.[^/]+\.tmp)"
+)
+_OWN_DIRS = ("tiles", "obs")
+
+
+def _check_target(store: Store, overwrite: bool) -> bool:
+    """Whether writing to ``store`` replaces a dataset (raises if it must not be written).
+
+    Overwrite only replaces what is provably a deltacells dataset: every entry has a name of
+    the format's layout (no other files, no links, FIFOs or extra folders), and either the
+    manifest is valid or, for an interrupted write without one, every tile starts with the
+    tile magic. Anything else is refused and nothing is deleted.
+    """
+    entries = store.entries()
+    if not entries:
+        return False
     if not overwrite:
-        raise FileExistsError(f"{store.describe()} is not empty; pass overwrite=True to replace it")
-    looks_like_dataset = any(
-        n == MANIFEST_NAME or n.startswith(("tiles/", "obs/")) for n in existing
-    )
-    if not looks_like_dataset:
         raise FileExistsError(
-            f"{store.describe()} holds files that are not a deltacells dataset; refusing to "
-            "delete them even with overwrite=True"
+            f"{store.describe()} is not empty; pass overwrite=True (deltacells convert "
+            "--overwrite) to replace the deltacells dataset there"
         )
-    store.remove(MANIFEST_NAME)  # first: from here on it is an incomplete dataset
-    store.remove_all()
-    store.make_root()
+    foreign = [
+        name
+        for name, kind in entries
+        if not ((kind == "file" and _OWN_FILE.fullmatch(name)) or
+                (kind == "dir" and name in _OWN_DIRS))
+    ]  # fmt: skip
+    if foreign:
+        shown = ", ".join(repr(n) for n in foreign[:3]) + (" ..." if len(foreign) > 3 else "")
+        raise FileExistsError(
+            f"{store.describe()} holds entries that are not a deltacells dataset's ({shown}); "
+            "refusing to replace it even with overwrite=True"
+        )
+    names = {name for name, kind in entries if kind == "file"}
+    try:
+        if MANIFEST_NAME in names:
+            Manifest.from_json_text(store.read_bytes(MANIFEST_NAME, max_size=MAX_MANIFEST_BYTES))
+        else:
+            for name in sorted(n for n in names if n.startswith("tiles/tile_")):
+                if store.read_range(name, 0, len(MAGIC)) != MAGIC:
+                    raise FormatError(f"{store.describe(name)}: not a deltacells tile")
+    except FormatError as err:
+        raise FileExistsError(
+            f"{store.describe()} is not a valid deltacells dataset ({err}); refusing to "
+            "replace it even with overwrite=True"
+        ) from None
+    return True
 
 
 def write_deltacells(
@@ -658,6 +705,9 @@ def write_deltacells(
     sources = list(source) if isinstance(source, list | tuple) else [source]
     if not sources:
         raise ValueError("no source given")
+    target = open_store(path, storage_options)
+    # Before reading any input: refusing a target should not wait for a pass over the counts.
+    _check_target(target, overwrite)
     progress_bar = _progress_factory(progress)
     parts: list[_Part] = []
     try:
@@ -694,68 +744,116 @@ def write_deltacells(
             offsets=np.concatenate([[0], np.cumsum([p.n_obs for p in parts])]).astype(np.int64),
         )
 
-        store = open_store(path, storage_options)
-        _prepare_target(store, overwrite)
-        tile_cells, tile_nnz, tile_bytes = _write_tiles(
-            store,
-            parts,
-            plan,
-            tile_size,
-            n_chunks,
-            zstd_level,
-            n_threads,
-            n_workers,
-            progress_bar,
-            cache,
-        )
-        has_gene_order = order is not None
-        if has_gene_order:
-            buffer = io.BytesIO()
-            np.save(buffer, order.astype(np.int32), allow_pickle=False)
-            store.write_atomic(GENE_ORDER_NAME, buffer.getvalue())
-        if var:
-            names_text = "".join(f"{name}\n" for name in plan.var_names)
-            store.write_atomic(VAR_NAMES_NAME, names_text.encode("utf-8"))
-            store.write_atomic(VAR_TABLE_NAME, _var_parquet(plan.var))
-        if shuffle:
-            buffer = io.BytesIO()
-            np.save(buffer, cell_order.astype(np.int64), allow_pickle=False)
-            store.write_atomic(CELL_ORDER_NAME, buffer.getvalue())
-        obs_fields: dict[str, Any] = {}
-        if obs:
-            obs_fields = _write_obs(
-                store, obs_plan, plan, tile_size, tile_cells, obs_tiles_per_file
-            )
-        meta = {
-            "writer": f"deltacells {_package_version()}",
-            "obs_index_column": OBS_INDEX_COLUMN if obs else None,
-            "sources": [p.label for p in parts],
-            "layer": "raw" if use_raw else layer,
-            "join": join if len(parts) > 1 else None,
-            "shuffle": {"seed": seed, "cell_order": CELL_ORDER_NAME} if shuffle else None,
-        } | dict(metadata or {})
-        manifest = Manifest(
-            version=2,
-            n_cells=n_cells,
-            n_genes=n_genes,
-            tile_size=tile_size,
-            tile_cells=tile_cells,
-            tile_nnz=tile_nnz,
-            tile_bytes=tile_bytes,
-            n_chunks=n_chunks,
-            zstd_level=zstd_level,
-            has_gene_order=has_gene_order,
-            has_var_names=bool(var),
-            has_var_table=bool(var),
-            has_obs=bool(obs),
-            metadata=meta,
-            **obs_fields,
-        )
-        store.write_atomic(MANIFEST_NAME, manifest.to_json_text().encode("utf-8"))
+        # A dataset already there is replaced only at the end: the new one is written beside
+        # it and swapped in whole, so a failed or killed write leaves the old one readable.
+        replacing = _check_target(target, overwrite)
+        if replacing:
+            store = target.staging_sibling()
+        else:
+            store = target
+            store.make_root()
+        try:
+            settings = _Settings(
+                tile_size=tile_size, n_chunks=n_chunks, zstd_level=zstd_level,
+                n_threads=n_threads, n_workers=n_workers, obs=obs, var=var, shuffle=shuffle,
+                seed=seed, use_raw=use_raw, layer=layer, join=join, metadata=metadata,
+                obs_tiles_per_file=obs_tiles_per_file,
+            )  # fmt: skip
+            manifest = _write_dataset(store, parts, plan, obs_plan, settings, progress_bar, cache)
+            if replacing:
+                _check_target(target, overwrite)  # still only a dataset of ours
+                target.replace_with(store)
+        except BaseException:
+            if replacing:
+                store.remove_tree()
+            raise
         return manifest
     finally:
         for part in parts:
             part.close()
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """The write options pass 2 needs (see :func:`write_deltacells`)."""
+
+    tile_size: int
+    n_chunks: int
+    zstd_level: int
+    n_threads: int | None
+    n_workers: int
+    obs: bool
+    var: bool
+    shuffle: bool
+    seed: int
+    use_raw: bool
+    layer: str | None
+    join: str
+    metadata: dict | None
+    obs_tiles_per_file: int
+
+
+def _write_dataset(
+    store: Store, parts: list[_Part], plan: _Plan, obs_plan, settings: _Settings, progress_bar,
+    cache: dict,
+) -> Manifest:  # fmt: skip
+    """Pass 2: tiles, gene and obs files, and the manifest last (the commit point)."""
+    n_cells, n_genes, order = plan.n_cells, plan.n_genes, plan.gene_order
+    cell_order = plan.cell_order
+    tile_size, n_chunks, zstd_level = settings.tile_size, settings.n_chunks, settings.zstd_level
+    var, obs, shuffle, seed = settings.var, settings.obs, settings.shuffle, settings.seed
+    use_raw, layer, join, metadata = settings.use_raw, settings.layer, settings.join, \
+        settings.metadata  # fmt: skip
+    obs_tiles_per_file = settings.obs_tiles_per_file
+    tile_cells, tile_nnz, tile_bytes = _write_tiles(
+        store, parts, plan, tile_size, n_chunks, zstd_level, settings.n_threads,
+        settings.n_workers, progress_bar, cache,
+    )  # fmt: skip
+    has_gene_order = order is not None
+    if has_gene_order:
+        buffer = io.BytesIO()
+        np.save(buffer, order.astype(np.int32), allow_pickle=False)
+        store.write_atomic(GENE_ORDER_NAME, buffer.getvalue())
+    if var:
+        names_text = "".join(f"{name}\n" for name in plan.var_names)
+        store.write_atomic(VAR_NAMES_NAME, names_text.encode("utf-8"))
+        store.write_atomic(VAR_TABLE_NAME, _var_parquet(plan.var))
+    if shuffle:
+        buffer = io.BytesIO()
+        np.save(buffer, cell_order.astype(np.int64), allow_pickle=False)
+        store.write_atomic(CELL_ORDER_NAME, buffer.getvalue())
+    obs_fields: dict[str, Any] = {}
+    if obs:
+        obs_fields = _write_obs(
+            store, obs_plan, plan, tile_size, tile_cells, obs_tiles_per_file
+        )
+    meta = {
+        "writer": f"deltacells {_package_version()}",
+        "obs_index_column": OBS_INDEX_COLUMN if obs else None,
+        "sources": [p.label for p in parts],
+        "layer": "raw" if use_raw else layer,
+        "join": join if len(parts) > 1 else None,
+        "shuffle": {"seed": seed, "cell_order": CELL_ORDER_NAME} if shuffle else None,
+    } | dict(metadata or {})
+    manifest = Manifest(
+        version=2,
+        n_cells=n_cells,
+        n_genes=n_genes,
+        tile_size=tile_size,
+        tile_cells=tile_cells,
+        tile_nnz=tile_nnz,
+        tile_bytes=tile_bytes,
+        n_chunks=n_chunks,
+        zstd_level=zstd_level,
+        has_gene_order=has_gene_order,
+        has_var_names=bool(var),
+        has_var_table=bool(var),
+        has_obs=bool(obs),
+        metadata=meta,
+        **obs_fields,
+    )
+    store.write_atomic(MANIFEST_NAME, manifest.to_json_text().encode("utf-8"))
+    return manifest
 
 
 def _package_version() -> str:
