@@ -138,9 +138,9 @@ def test_opening_reads_only_the_manifest(dataset_dir, monkeypatch):
     read = []
     original = Store.read_bytes
 
-    def spy(self, name):
+    def spy(self, name, **kwargs):
         read.append(name)
-        return original(self, name)
+        return original(self, name, **kwargs)
 
     monkeypatch.setattr(Store, "read_bytes", spy)
     dataset = dc.open_dataset(dataset_dir)

@@ -113,8 +113,7 @@ class DeltacellsCSRDataset(CSRDataset):
         # Pickles as a recipe (location and options): each process reopens the dataset and
         # builds its own tile cache, which also makes it safe across fork and spawn.
         return {
-            "url": self.dataset.store.url,
-            "storage_options": self.dataset.store.storage_options,
+            "store": self.dataset.store,  # pickles as its location and options
             "column_order": self.column_order,
             "values_dtype": self.dtype.str,
             "n_threads": self.n_threads,
@@ -122,7 +121,7 @@ class DeltacellsCSRDataset(CSRDataset):
         }
 
     def __setstate__(self, state: dict) -> None:
-        dataset = open_dataset(state["url"], storage_options=state["storage_options"])
+        dataset = open_dataset(state["store"])
         self.__init__(
             dataset,
             column_order=state["column_order"],
@@ -318,6 +317,8 @@ def read_deltacells(
     n_threads: int | None = None,
     tile_cache_bytes: int = 256 * 2**20,
     dask: bool = False,
+    timeout: float | None = None,
+    deadline: float | None = None,
 ) -> ad.AnnData:
     """Open a deltacells dataset as an AnnData with a lazily decoded X.
 
@@ -343,13 +344,17 @@ def read_deltacells(
     dask
         Make X a dask array with one scipy-CSR chunk per tile (see
         :meth:`DeltacellsCSRDataset.to_dask`) instead of the lazy CSR dataset.
+    timeout, deadline
+        Remote stores: seconds one request may take before it is retried, and seconds one
+        read may take in all, retries included (see :func:`~deltacells.open_dataset`).
 
     Returns
     -------
     anndata.AnnData
         X is a :class:`DeltacellsCSRDataset` (or a dask array); obs and var are in memory.
     """
-    dataset = open_dataset(url_or_path, storage_options=storage_options)
+    dataset = open_dataset(url_or_path, storage_options=storage_options, timeout=timeout,
+                           deadline=deadline)  # fmt: skip
     X = DeltacellsCSRDataset(dataset, column_order=column_order, values_dtype=values_dtype,
                              n_threads=n_threads, tile_cache_bytes=tile_cache_bytes)  # fmt: skip
     var = _var(dataset, column_order)

@@ -20,6 +20,7 @@ from deltacells.format import FormatError
 from deltacells.manifest import (
     GENE_ORDER_NAME,
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     OBS_SCHEMA_NAME,
     VAR_NAMES_NAME,
     VAR_TABLE_NAME,
@@ -275,9 +276,33 @@ class Dataset:
 
 
 def open_dataset(
-    url_or_path: str | os.PathLike | Store, *, storage_options: dict | None = None
+    url_or_path: str | os.PathLike | Store,
+    *,
+    storage_options: dict | None = None,
+    timeout: float | None = None,
+    deadline: float | None = None,
+    follow_external_links: bool = False,
 ) -> Dataset:
     """Open a dataset: read and validate ``manifest.json`` (nothing else).
+
+    Parameters
+    ----------
+    url_or_path
+        Local directory, fsspec URL, or a :class:`~deltacells.storage.Store`.
+    storage_options
+        fsspec options for URLs (credentials, endpoint, ...).
+    timeout, deadline
+        Remote stores: seconds one request may take before it is retried, and seconds one
+        operation may take in all (see :class:`~deltacells.storage.Store`; defaults 20 and
+        60, or ``$DELTACELLS_TIMEOUT`` / ``$DELTACELLS_DEADLINE``).
+    follow_external_links
+        Local directories: read files that are symbolic links leading out of the dataset's
+        root (refused by default).
+
+    Returns
+    -------
+    Dataset
+        The opened dataset.
 
     Raises
     ------
@@ -287,7 +312,8 @@ def open_dataset(
     FileNotFoundError
         When there is nothing at that location.
     """
-    store = open_store(url_or_path, storage_options)
+    store = open_store(url_or_path, storage_options, timeout=timeout, deadline=deadline,
+                       follow_external_links=follow_external_links)  # fmt: skip
     if not store.exists(MANIFEST_NAME):
         if store.list():
             raise FormatError(
@@ -295,7 +321,7 @@ def open_dataset(
                 "made it did not finish"
             )
         raise FileNotFoundError(f"{store.describe()}: no deltacells dataset there")
-    text = store.read_bytes(MANIFEST_NAME)
+    text = store.read_bytes(MANIFEST_NAME, max_size=MAX_MANIFEST_BYTES)
     manifest = Manifest.from_json_text(text, store.describe(MANIFEST_NAME))
     return Dataset(store, manifest)
 

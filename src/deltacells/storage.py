@@ -60,7 +60,7 @@ def _describe_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
-class _AttemptTimeout(TimeoutError):
+class RequestTimeout(TimeoutError):
     """One request took longer than the store's ``timeout``."""
 
 
@@ -84,7 +84,7 @@ def _call_with_timeout(call, seconds: float):
 
     threading.Thread(target=run, name="deltacells-request", daemon=True).start()
     if not done.wait(seconds):
-        raise _AttemptTimeout(f"no answer within {seconds:g} s")
+        raise RequestTimeout(f"no answer within {seconds:.2f} s")
     ok, value = outcome[0]
     if ok:
         return value
@@ -127,9 +127,12 @@ def _renameat2_exchange(a: str, b: str) -> bool:
 def _with_client_timeouts(url: str, options: dict, timeout: float) -> dict:
     """``options`` plus connect/read timeouts for the clients that take them (s3fs, fsspec's
     HTTP), unless already set: a request abandoned by :func:`_call_with_timeout` then also
-    ends in its own thread instead of waiting minutes for the server."""
+    ends in its own thread instead of waiting minutes for the server. They are twice the
+    store's own, so the store's fires first and a client that turns its own timeout into a
+    quiet answer (fsspec's HTTP ``exists`` says False) is not believed."""
     protocol = url.split("://", 1)[0]
     options = dict(options)
+    timeout = 2 * timeout
     if protocol in ("s3", "s3a"):
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("connect_timeout", timeout)
@@ -567,8 +570,11 @@ class Store:
         staged.remove_tree()
 
 
-def open_store(root: str | os.PathLike | Store, storage_options: dict | None = None) -> Store:
-    """A :class:`Store` for ``root`` (returned as is if it already is one)."""
+def open_store(
+    root: str | os.PathLike | Store, storage_options: dict | None = None, **options: Any
+) -> Store:
+    """A :class:`Store` for ``root`` (returned as is if it already is one); ``options`` are
+    :class:`Store`'s keyword arguments (``timeout``, ``deadline``, ...)."""
     if isinstance(root, Store):
         return root
-    return Store(root, storage_options)
+    return Store(root, storage_options, **options)
