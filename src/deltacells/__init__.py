@@ -10,7 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 from deltacells.backed import DeltacellsCSRDataset, read_deltacells
 from deltacells.codec import DEFAULT_LEVEL, CountError, Tile, decode_tile, encode_tile
 from deltacells.dataset import Dataset, open_dataset
-from deltacells.format import FormatError
+from deltacells.format import FormatError, LimitError, Limits, get_limits, set_limits
 from deltacells.loader import Batch, Loader
 from deltacells.writer import write_deltacells
 
@@ -42,13 +42,17 @@ __all__ = [
     "Dataset",
     "DeltacellsCSRDataset",
     "FormatError",
+    "LimitError",
+    "Limits",
     "Loader",
     "Tile",
     "TorchIterableDataset",
     "__version__",
     "decode_tile",
     "encode_tile",
+    "get_limits",
     "open_dataset",
     "read_deltacells",
+    "set_limits",
     "write_deltacells",
 ]

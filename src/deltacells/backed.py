@@ -16,7 +16,7 @@ from numpy.typing import DTypeLike
 
 from deltacells.codec import Tile, _value_dtype, empty_output
 from deltacells.dataset import Dataset, gather_cells, group_by_tile, open_dataset
-from deltacells.manifest import OBS_INDEX_COLUMN, tile_name
+from deltacells.manifest import tile_name
 from deltacells.obscache import ObsCache
 
 __all__ = ["DeltacellsCSRDataset", "read_deltacells"]
@@ -255,6 +255,9 @@ class DeltacellsCSRDataset(CSRDataset):
     def to_memory(self) -> sp.csr_matrix:
         """The whole matrix as one CSR, every tile decoded into one set of buffers."""
         m = self.dataset.manifest
+        # What is allocated next is what the manifest claims, bounded by the reader's limits
+        # per tile byte: make sure those bytes exist before believing the claim.
+        self.dataset.check_tile_sizes()
         nnz = m.nnz
         indices = empty_output(nnz, np.int32)
         values = empty_output(nnz, self.dtype)
@@ -379,9 +382,10 @@ def _obs(dataset: Dataset, obs: bool | Sequence[str], cache_dir) -> pd.DataFrame
     schema = dataset.obs_schema()
     n_cells = dataset.shape[0]
     if schema is None:
-        return pd.DataFrame(index=pd.Index([str(i) for i in range(n_cells)]))
+        return pd.DataFrame(index=_default_obs_names(dataset))
+    index_column = dataset.obs_index_column(schema)
     if obs is True:
-        columns = [c for c in schema.names if c != OBS_INDEX_COLUMN]
+        columns = [c for c in schema.names if c != index_column]
     elif obs is False:
         columns = []
     else:
@@ -389,13 +393,28 @@ def _obs(dataset: Dataset, obs: bool | Sequence[str], cache_dir) -> pd.DataFrame
         missing = [c for c in columns if c not in schema.names]
         if missing:
             raise KeyError(f"obs columns not in the dataset: {missing}")
-    index_column = dataset.manifest.metadata.get("obs_index_column") or OBS_INDEX_COLUMN
     cache = ObsCache(dataset, cache_dir)
-    cache.localize(([index_column] if index_column in schema.names else []) + columns)
+    cache.localize(([index_column] if index_column is not None else []) + columns)
     frame = pd.DataFrame({c: cache.series(c).to_numpy() if schema[c].kind != "category"
                           else cache.series(c) for c in columns})  # fmt: skip
-    if index_column in schema.names:
+    if index_column is not None:
         frame.index = pd.Index(cache.series(index_column).astype(str).to_numpy())
     else:
-        frame.index = pd.Index([str(i) for i in range(n_cells)])
+        frame.index = _default_obs_names(dataset)
+    if len(frame) != n_cells:  # no columns asked for: an empty frame of the right length
+        frame = pd.DataFrame(index=frame.index)
     return frame
+
+
+def _default_obs_names(dataset: Dataset) -> pd.Index:
+    """``"0" .. "n-1"`` for a dataset without stored obs names.
+
+    The manifest's cell count is believed only once the tiles that claim the most cells (the
+    first, holding ``tile_size``, and the last) are on the store at their stated sizes,
+    which hold 8 bytes per cell: a small manifest claiming 2^40 cells must not make this
+    build a trillion names.
+    """
+    m = dataset.manifest
+    if m.n_tiles:
+        dataset.check_tile_sizes(sorted({0, m.n_tiles - 1}))
+    return pd.Index(np.arange(m.n_cells).astype(str).astype(object))

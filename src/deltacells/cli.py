@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -132,6 +133,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except (FormatError, FileNotFoundError, FileExistsError, ValueError, KeyError) as err:
         print(f"deltacells {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"deltacells {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # one line, never a traceback (unless asked for)
+        if os.environ.get("DELTACELLS_DEBUG"):
+            raise
+        print(f"deltacells {args.command}: error: {type(err).__name__}: {err} (set "
+              "DELTACELLS_DEBUG=1 for the traceback)", file=sys.stderr)  # fmt: skip
         return 1
 
 

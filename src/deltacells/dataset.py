@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,10 +21,12 @@ from deltacells.manifest import (
     GENE_ORDER_NAME,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
+    OBS_INDEX_COLUMN,
     OBS_SCHEMA_NAME,
     VAR_NAMES_NAME,
     VAR_TABLE_NAME,
     Manifest,
+    ObsColumn,
     ObsSchema,
     obs_fingerprint,
     obs_shard_name,
@@ -32,7 +34,7 @@ from deltacells.manifest import (
 )
 from deltacells.storage import Store, open_store
 
-__all__ = ["Dataset", "gather_cells", "group_by_tile", "open_dataset"]
+__all__ = ["Dataset", "category_from_codes", "gather_cells", "group_by_tile", "open_dataset"]
 
 
 class Dataset:
@@ -98,7 +100,33 @@ class Dataset:
                 f"nonzeros; the manifest says {m.tile_cells[index]} x {m.n_genes}, "
                 f"{m.tile_nnz[index]}"
             )
+        if m.tile_crc32 is not None and tile.layout.crc32 != m.tile_crc32[index]:
+            raise FormatError(
+                f"{name}: CRC-32 {tile.layout.crc32:08x} is not the {m.tile_crc32[index]:08x} "
+                f"the manifest records for tile {index} (tiles swapped or replaced)"
+            )
         return tile
+
+    def check_tile_sizes(self, indices: Sequence[int] | None = None) -> None:
+        """Check that tiles ``indices`` (default: all) have the sizes the manifest says.
+
+        Done before allocating for what the manifest claims of tiles not yet read (e.g. all
+        of them for ``to_memory()``), so the allocation is bounded by bytes that exist.
+        """
+        m = self.manifest
+        chosen = range(m.n_tiles) if indices is None else indices
+        names = [tile_name(int(t)) for t in chosen]
+        if self.store.is_local or len(names) < 2:
+            sizes = [self.store.size(name) for name in names]
+        else:
+            futures = [self.store._pool().submit(self.store.size, name) for name in names]
+            sizes = [future.result() for future in futures]
+        for name, t, size in zip(names, chosen, sizes, strict=True):
+            if size != m.tile_bytes[int(t)]:
+                raise FormatError(
+                    f"{self.store.describe(name)}: {size} bytes, the manifest says "
+                    f"{m.tile_bytes[int(t)]}"
+                )
 
     # -- genes ---------------------------------------------------------------------------------
 
@@ -107,22 +135,57 @@ class Dataset:
         if not self.manifest.has_gene_order:
             return None
         where = self.store.describe(GENE_ORDER_NAME)
-        try:
-            order = np.load(io.BytesIO(self.store.read_bytes(GENE_ORDER_NAME)), allow_pickle=False)
-        except ValueError as err:
-            raise FormatError(f"{where}: not a .npy array ({err})") from None
         n = self.manifest.n_genes
-        if order.ndim != 1 or len(order) != n or order.dtype.kind not in "iu":
-            raise FormatError(f"{where}: expected {n} integers, got {order.dtype} {order.shape}")
+        order = self.load_npy(GENE_ORDER_NAME, n)
         if not np.array_equal(np.sort(order), np.arange(n)):
             raise FormatError(f"{where}: not a permutation of 0..{n - 1}")
         return order.astype(np.int64)
+
+    def load_npy(self, name: str, length: int) -> np.ndarray:
+        """A 1-D integer ``.npy`` file of ``length`` entries, its header checked against the
+        file's size before anything is allocated.
+
+        Raises
+        ------
+        FormatError
+            Naming the file, for anything but such an array (empty, truncated, a header
+            claiming more entries than the file holds, another dtype or shape).
+        """
+        where = self.store.describe(name)
+        # 8 bytes per entry at most, plus the header (numpy caps headers at 10,000 bytes).
+        data = self.store.read_bytes(name, max_size=16 + 10_000 + 8 * length)
+        stream = io.BytesIO(data)
+        try:
+            major, _ = np.lib.format.read_magic(stream)
+            if major == 1:
+                shape, _, dtype = np.lib.format.read_array_header_1_0(stream)
+            elif major == 2:
+                shape, _, dtype = np.lib.format.read_array_header_2_0(stream)
+            else:
+                raise ValueError(f".npy version {major} is not supported")
+        except (ValueError, EOFError, SyntaxError, TypeError, OverflowError) as err:
+            raise FormatError(f"{where}: not a .npy array ({err})") from None
+        if shape != (length,) or dtype.kind not in "iu" or dtype.itemsize > 8:
+            raise FormatError(f"{where}: expected {length} integers, got {dtype} {shape}")
+        body = len(data) - stream.tell()
+        if body != length * dtype.itemsize:
+            raise FormatError(
+                f"{where}: holds {body} bytes of data, {length} {dtype} entries need "
+                f"{length * dtype.itemsize}"
+            )
+        return np.frombuffer(data, dtype=dtype, count=length, offset=stream.tell())
 
     def var_names(self) -> list[str] | None:
         """Gene names in stored order (None if absent)."""
         if not self.manifest.has_var_names:
             return None
-        names = self.store.read_bytes(VAR_NAMES_NAME).decode("utf-8").split("\n")
+        where = self.store.describe(VAR_NAMES_NAME)
+        # A name is rarely above 100 bytes: 1 KiB each on average is far more than enough.
+        data = self.store.read_bytes(VAR_NAMES_NAME, max_size=1024 * self.manifest.n_genes + 1024)
+        try:
+            names = data.decode("utf-8").split("\n")
+        except UnicodeDecodeError as err:
+            raise FormatError(f"{where}: not UTF-8 text ({err})") from None
         if names and names[-1] == "":
             names.pop()
         if len(names) != self.manifest.n_genes:
@@ -154,8 +217,15 @@ class Dataset:
         """The obs schema (None if the dataset has no obs)."""
         if not self.manifest.has_obs:
             return None
-        text = self.store.read_bytes(OBS_SCHEMA_NAME).decode("utf-8")
-        return ObsSchema.from_json_text(text, self.store.describe(OBS_SCHEMA_NAME))
+        return ObsSchema.from_json_text(self._schema_text(), self.store.describe(OBS_SCHEMA_NAME))
+
+    def _schema_text(self) -> str:
+        data = self.store.read_bytes(OBS_SCHEMA_NAME, max_size=MAX_MANIFEST_BYTES)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            where = self.store.describe(OBS_SCHEMA_NAME)
+            raise FormatError(f"{where}: not UTF-8 ({err})") from None
 
     def obs_shard(self, index: int) -> bytes:
         """Obs shard ``index``, checked against the manifest's size and SHA-256."""
@@ -180,15 +250,17 @@ class Dataset:
         names = schema.names if columns is None else list(columns)
         parts = []
         for s in range(self.manifest.n_obs_shards):
-            table = pq.read_table(io.BytesIO(self.obs_shard(s)), columns=names)
-            parts.append(table.to_pandas())
+            where = self.store.describe(obs_shard_name(s))
+            try:
+                table = pq.read_table(io.BytesIO(self.obs_shard(s)), columns=names)
+            except (OSError, ValueError, KeyError) as err:  # ArrowInvalid is a ValueError
+                raise FormatError(f"{where}: unreadable parquet ({err})") from None
+            part = table.to_pandas()
+            for name in names:
+                if schema[name].kind == "category":
+                    part[name] = category_from_codes(part[name].to_numpy(), schema[name], where)
+            parts.append(part)
         frame = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=names)
-        for name in names:
-            column = schema[name]
-            if column.kind == "category":
-                frame[name] = pd.Categorical.from_codes(
-                    frame[name].to_numpy().astype(np.int64), categories=column.categories
-                )
         return frame
 
     # -- whole-dataset checks ------------------------------------------------------------------
@@ -216,7 +288,7 @@ class Dataset:
         self.var_names()
         self.var()
         if m.has_obs:
-            schema_text = self.store.read_bytes(OBS_SCHEMA_NAME).decode("utf-8")
+            schema_text = self._schema_text()
             schema = ObsSchema.from_json_text(schema_text, self.store.describe(OBS_SCHEMA_NAME))
             for s in range(m.n_obs_shards):
                 self._check_obs_shard(s, schema)
@@ -226,6 +298,53 @@ class Dataset:
                     f"{self.store.describe(MANIFEST_NAME)}: obs_fingerprint {m.obs_fingerprint} "
                     f"!= {expected} computed from the schema and shards"
                 )
+            self._check_obs_values(schema)
+
+    def obs_index_column(self, schema: ObsSchema | None = None) -> str | None:
+        """The obs column holding obs_names (None: there is none), checked to be a string
+        column of the schema.
+
+        Raises
+        ------
+        FormatError
+            If the manifest names a column that is missing or not a string column.
+        """
+        schema = self.obs_schema() if schema is None else schema
+        if schema is None:
+            return None
+        name = self.manifest.metadata.get("obs_index_column", OBS_INDEX_COLUMN)
+        where = self.store.describe(MANIFEST_NAME)
+        if name is None:
+            return None
+        if not isinstance(name, str) or name not in schema.names:
+            if name == OBS_INDEX_COLUMN and "obs_index_column" not in self.manifest.metadata:
+                return None  # a dataset from another writer, without obs_names
+            raise FormatError(f"{where}: obs_index_column {name!r} is not an obs column")
+        if schema[name].kind != "string":
+            raise FormatError(
+                f"{where}: obs_index_column {name!r} is a {schema[name].kind} column; obs "
+                "names are stored as strings"
+            )
+        return name
+
+    def _check_obs_values(self, schema: ObsSchema) -> None:
+        """Category codes in range in every column; obs names present, and unique where the
+        writer recorded that they were."""
+        self.read_obs([c.name for c in schema.columns if c.kind == "category"])
+        index = self.obs_index_column(schema)
+        if index is None:
+            return
+        names = self.read_obs([index])[index]
+        where = self.store.describe(obs_shard_name(0))
+        if names.isna().any():
+            raise FormatError(f"{where}: obs names column {index!r} has missing values")
+        if self.manifest.metadata.get("obs_names_unique") and not names.is_unique:
+            repeated = names[names.duplicated()].iloc[0]
+            raise FormatError(
+                f"{self.store.describe(MANIFEST_NAME)}: obs names in {index!r} repeat "
+                f"({repeated!r}) but the writer recorded them unique (obs_index_column "
+                "points at the wrong column?)"
+            )
 
     def _check_obs_shard(self, index: int, schema: ObsSchema) -> None:
         import pyarrow.parquet as pq
@@ -273,6 +392,23 @@ class Dataset:
             "gene_order": m.has_gene_order,
             "obs_columns": {c.name: c.kind for c in schema.columns} if schema else {},
         }
+
+
+def category_from_codes(codes: np.ndarray, column: ObsColumn, where: str) -> pd.Categorical:
+    """Stored category codes as a categorical; codes outside ``-1 .. n - 1`` are a
+    :class:`FormatError` naming ``where`` and the column."""
+    codes = np.asarray(codes)
+    n = len(column.categories or [])
+    if codes.dtype.kind not in "iu":
+        raise FormatError(f"{where}: column {column.name!r} codes are {codes.dtype}")
+    if codes.size and (int(codes.min()) < -1 or int(codes.max()) >= n):
+        raise FormatError(
+            f"{where}: column {column.name!r} has category codes outside -1..{n - 1}"
+        )
+    try:
+        return pd.Categorical.from_codes(codes.astype(np.int64), categories=column.categories)
+    except (ValueError, TypeError) as err:  # e.g. repeated categories
+        raise FormatError(f"{where}: column {column.name!r}: {err}") from None
 
 
 def open_dataset(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import struct
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -19,12 +19,17 @@ __all__ = [
     "HEADER_SIZE",
     "MAGIC",
     "FormatError",
+    "LimitError",
+    "Limits",
     "TileHeader",
     "TileLayout",
+    "check_decoded_size",
     "chunk_entry_size",
+    "get_limits",
     "pack_header",
     "parse_header",
     "parse_layout",
+    "set_limits",
 ]
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
@@ -61,6 +66,71 @@ class FormatError(ValueError):
     Messages name the object (file, URL or ``"<tile>"``), the place inside it (chunk, cell)
     and the rule that failed.
     """
+
+
+class LimitError(FormatError):
+    """A tile or dataset would need more memory than the reader's :class:`Limits` allow
+    for its size on disk (a decompression bomb, or data far more compressible than counts)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Reader limits, checked before anything is allocated.
+
+    zstd turns a few bytes into megabytes of repeated values, so a small tile can claim, and
+    legitimately hold, billions of nonzeros. Decoding is refused when a tile's decoded output
+    (``int32`` indices, values at 8 bytes per nonzero at most, plus the indptr) would exceed
+    ``max(decoded_floor, decoded_ratio * compressed size)``. Real count tiles decode to about
+    5-10 times their size, so the defaults never get in the way of real data.
+
+    Attributes
+    ----------
+    decoded_ratio
+        Largest decoded size per compressed byte.
+    decoded_floor
+        Decoded bytes any tile may have whatever its compressed size.
+    """
+
+    decoded_ratio: float = 1000.0
+    decoded_floor: int = 256 * 2**20
+
+    def decoded_budget(self, compressed_bytes: int) -> float:
+        """Most decoded bytes allowed for a tile of ``compressed_bytes``."""
+        return max(float(self.decoded_floor), self.decoded_ratio * compressed_bytes)
+
+
+_limits = Limits()
+
+
+def get_limits() -> Limits:
+    """The reader limits in force (see :class:`Limits`)."""
+    return _limits
+
+
+def set_limits(**changes: float) -> Limits:
+    """Change reader limits for this process, e.g. ``set_limits(decoded_ratio=10_000)`` to
+    read extremely compressible data; returns the previous :class:`Limits`."""
+    global _limits
+    previous = _limits
+    _limits = replace(_limits, **changes)
+    return previous
+
+
+def decoded_bytes(n_cells: int, nnz: int) -> int:
+    """Upper bound of a decoded tile's size: indptr, int32 indices and 8-byte values."""
+    return 8 * (n_cells + 1) + 12 * nnz
+
+
+def check_decoded_size(n_cells: int, nnz: int, compressed: int, where: str) -> None:
+    """Raise :class:`LimitError` if a tile of ``compressed`` bytes decodes past the limits."""
+    need = decoded_bytes(n_cells, nnz)
+    budget = _limits.decoded_budget(compressed)
+    if need > budget:
+        raise LimitError(
+            f"{where}: {nnz} nonzeros would decode to {need} bytes from {compressed}, more "
+            f"than the limit of {int(budget)} (deltacells.set_limits(decoded_ratio=...) "
+            "raises it for data this compressible)"
+        )
 
 
 def chunk_entry_size(version: int) -> int:
@@ -232,6 +302,8 @@ def parse_layout(buf, where: str = "<tile>", header: TileHeader | None = None) -
         if raw.shape[1] == 12:
             absent = chunks[:, [VEXC_LEN, GEXC_LEN]] == 0
             chunks[:, [VEXC_OFF, GEXC_OFF]] = np.where(absent, 0, chunks[:, [VEXC_OFF, GEXC_OFF]])
+    # Structure is sound; refuse what would decode past the limits before any decode allocates.
+    check_decoded_size(n_cells, nnz, size, where)
     return TileLayout(**vars(h), chunks=chunks, indptr=indptr)
 
 

@@ -15,7 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from deltacells.format import FormatError
+from deltacells.format import (
+    HEADER_SIZE,
+    MAX_GENES,
+    FormatError,
+    check_decoded_size,
+    chunk_entry_size,
+)
 
 __all__ = [
     "DATASET_FORMAT",
@@ -47,6 +53,40 @@ NUMERIC_ARROW_TYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "ui
                        "halffloat", "float", "double")  # fmt: skip
 _HEX24 = re.compile(r"^[0-9a-f]{24}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+#: Largest integer a manifest may hold (JSON integers are unbounded; numpy's are not).
+MAX_JSON_INT = 2**62
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """``object_pairs_hook`` refusing repeated keys (``json`` silently keeps the last one)."""
+    obj = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"key {key!r} appears twice")
+        obj[key] = value
+    return obj
+
+
+def parse_json(text: str | bytes, where: str) -> Any:
+    """Parse JSON strictly: valid UTF-8, no repeated keys, no NaN or Infinity.
+
+    Raises
+    ------
+    FormatError
+        Naming ``where`` and what is wrong.
+    """
+
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        return json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=no_constants)
+    except (ValueError, TypeError, RecursionError) as err:
+        raise FormatError(f"{where}: not valid JSON ({err})") from None
 
 
 def tile_name(index: int) -> str:
@@ -122,10 +162,7 @@ class ObsSchema:
         FormatError
             If the schema is not valid JSON or breaks FORMAT.md's obs rules.
         """
-        try:
-            obj = json.loads(text)
-        except (ValueError, TypeError) as err:
-            raise FormatError(f"{where}: not valid JSON ({err})") from None
+        obj = parse_json(text, where)
         if not isinstance(obj, dict) or obj.get("format") != OBS_FORMAT:
             raise FormatError(f"{where}: format is not {OBS_FORMAT!r}")
         if obj.get("version") != OBS_VERSION:
@@ -179,18 +216,20 @@ def obs_fingerprint(schema_text: str, tile_cells: list[int], shard_sha256: list[
 def _int_list(obj: dict, key: str, where: str, length: int | None = None) -> list[int]:
     value = obj.get(key)
     if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_JSON_INT for v in value
     ):
-        raise FormatError(f"{where}: '{key}' must be a list of integers")
+        raise FormatError(f"{where}: '{key}' must be a list of integers in 0..2^62")
     if length is not None and len(value) != length:
         raise FormatError(f"{where}: '{key}' has {len(value)} entries, expected {length}")
     return value
 
 
-def _int(obj: dict, key: str, where: str, minimum: int = 0) -> int:
+def _int(obj: dict, key: str, where: str, minimum: int = 0, maximum: int = MAX_JSON_INT) -> int:
     value = obj.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise FormatError(f"{where}: '{key}' must be an integer >= {minimum}, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
+        raise FormatError(
+            f"{where}: '{key}' must be an integer in {minimum}..{maximum}, got {value!r}"
+        )
     return value
 
 
@@ -226,6 +265,9 @@ class Manifest:
     obs_shard_sha256: list[str] | None = None
     obs_fingerprint: str | None = None
     metadata: dict = field(default_factory=dict)
+    #: Each tile's CRC-32 (its header's), in tile order: ties every tile file to its place,
+    #: so tiles swapped together with their counts are found. Optional (older datasets).
+    tile_crc32: list[int] | None = None
 
     @property
     def n_tiles(self) -> int:
@@ -260,6 +302,7 @@ class Manifest:
             "tile_cells": self.tile_cells,
             "tile_nnz": self.tile_nnz,
             "tile_bytes": self.tile_bytes,
+            **({"tile_crc32": self.tile_crc32} if self.tile_crc32 is not None else {}),
             "n_chunks": self.n_chunks,
             "zstd_level": self.zstd_level,
             "has_gene_order": self.has_gene_order,
@@ -286,10 +329,7 @@ class Manifest:
         FormatError
             For unknown formats or versions, missing keys and inconsistent counts.
         """
-        try:
-            obj = json.loads(text)
-        except (ValueError, TypeError) as err:
-            raise FormatError(f"{where}: not valid JSON ({err})") from None
+        obj = parse_json(text, where)
         if not isinstance(obj, dict):
             raise FormatError(f"{where}: the manifest must be a JSON object")
         if obj.get("format") != DATASET_FORMAT:
@@ -298,7 +338,7 @@ class Manifest:
         if version not in READABLE_DATASET_VERSIONS:
             raise FormatError(f"{where}: unsupported dataset version {version!r} (reads 1 and 2)")
         n_cells = _int(obj, "n_cells", where)
-        n_genes = _int(obj, "n_genes", where, 1)
+        n_genes = _int(obj, "n_genes", where, 1, MAX_GENES)
         tile_size = _int(obj, "tile_size", where, 1)
         tile_cells = _int_list(obj, "tile_cells", where)
         n_tiles = len(tile_cells)
@@ -318,8 +358,19 @@ class Manifest:
         for i in range(n_tiles):
             if tile_nnz[i] < 0 or tile_nnz[i] > tile_cells[i] * n_genes:
                 raise FormatError(f"{where}: tile {i} claims {tile_nnz[i]} nonzeros")
-            if tile_bytes[i] < 64:
-                raise FormatError(f"{where}: tile {i} claims {tile_bytes[i]} bytes (< header)")
+            # A tile holds its header, at least one chunk entry and the uncompressed indptr.
+            smallest = HEADER_SIZE + chunk_entry_size(version) + 8 * (tile_cells[i] + 1)
+            if tile_bytes[i] < smallest:
+                raise FormatError(
+                    f"{where}: tile {i} claims {tile_bytes[i]} bytes, too few for "
+                    f"{tile_cells[i]} cells (at least {smallest})"
+                )
+            check_decoded_size(tile_cells[i], tile_nnz[i], tile_bytes[i], f"{where}: tile {i}")
+        tile_crc32 = None
+        if "tile_crc32" in obj:
+            tile_crc32 = _int_list(obj, "tile_crc32", where, n_tiles)
+            if any(c >= 2**32 for c in tile_crc32):
+                raise FormatError(f"{where}: 'tile_crc32' holds a value above 32 bits")
         has_obs = _bool(obj, "has_obs", where)
         fields: dict[str, Any] = {}
         if has_obs:
@@ -354,5 +405,6 @@ class Manifest:
             has_var_table=_bool(obj, "has_var_table", where),
             has_obs=has_obs,
             metadata=metadata,
+            tile_crc32=tile_crc32,
             **fields,
         )

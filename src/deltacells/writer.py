@@ -433,6 +433,7 @@ class _Plan:
     gene_order: np.ndarray | None
     cell_order: np.ndarray | None
     offsets: np.ndarray
+    obs_names_unique: bool = True
 
 
 def _remap_columns(block: sp.csr_matrix, col_map: np.ndarray, n_genes: int) -> sp.csr_matrix:
@@ -742,6 +743,7 @@ def write_deltacells(
             gene_order=order,
             cell_order=cell_order,
             offsets=np.concatenate([[0], np.cumsum([p.n_obs for p in parts])]).astype(np.int64),
+            obs_names_unique=obs_frame is None or bool(obs_frame.index.astype(str).is_unique),
         )
 
         # A dataset already there is replaced only at the end: the new one is written beside
@@ -805,7 +807,7 @@ def _write_dataset(
     use_raw, layer, join, metadata = settings.use_raw, settings.layer, settings.join, \
         settings.metadata  # fmt: skip
     obs_tiles_per_file = settings.obs_tiles_per_file
-    tile_cells, tile_nnz, tile_bytes = _write_tiles(
+    tile_cells, tile_nnz, tile_bytes, tile_crc32 = _write_tiles(
         store, parts, plan, tile_size, n_chunks, zstd_level, settings.n_threads,
         settings.n_workers, progress_bar, cache,
     )  # fmt: skip
@@ -830,6 +832,8 @@ def _write_dataset(
     meta = {
         "writer": f"deltacells {_package_version()}",
         "obs_index_column": OBS_INDEX_COLUMN if obs else None,
+        # What verify holds the index column to (AnnData allows repeated obs_names).
+        "obs_names_unique": bool(plan.obs_names_unique) if obs else None,
         "sources": [p.label for p in parts],
         "layer": "raw" if use_raw else layer,
         "join": join if len(parts) > 1 else None,
@@ -843,6 +847,7 @@ def _write_dataset(
         tile_cells=tile_cells,
         tile_nnz=tile_nnz,
         tile_bytes=tile_bytes,
+        tile_crc32=tile_crc32,
         n_chunks=n_chunks,
         zstd_level=zstd_level,
         has_gene_order=has_gene_order,
@@ -885,7 +890,7 @@ def _write_tiles(
     store, parts, plan, tile_size, n_chunks, level, n_threads, n_workers, progress, cache
 ):
     n_tiles = -(-plan.n_cells // tile_size)
-    tile_cells, tile_nnz, tile_bytes = [], [], []
+    tile_cells, tile_nnz, tile_bytes, tile_crc32 = [], [], [], []
 
     def matrices():
         for t in range(n_tiles):
@@ -897,6 +902,7 @@ def _write_tiles(
         tile_cells.append(cells)
         tile_nnz.append(int(np.frombuffer(blob, "<u8", 1, 24)[0]))
         tile_bytes.append(len(blob))
+        tile_crc32.append(int.from_bytes(blob[56:60], "little"))  # the header's CRC field
 
     bar = progress(range(n_tiles), total=n_tiles, desc="encoding tiles")
     ticks = iter(bar)
@@ -908,7 +914,7 @@ def _write_tiles(
                 matrix.shape[0],
             )
             next(ticks, None)
-        return tile_cells, tile_nnz, tile_bytes
+        return tile_cells, tile_nnz, tile_bytes, tile_crc32
     import multiprocessing
 
     # spawn, not fork: a forked child inherits OpenMP's thread pool state and can hang.
@@ -922,7 +928,7 @@ def _write_tiles(
                 done_t, cells, future = pending.pop(0)
                 record(done_t, future.result(), cells)
                 next(ticks, None)
-    return tile_cells, tile_nnz, tile_bytes
+    return tile_cells, tile_nnz, tile_bytes, tile_crc32
 
 
 def _var_parquet(var: pd.DataFrame) -> bytes:
