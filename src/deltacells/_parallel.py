@@ -20,6 +20,10 @@ from pathlib import Path
 __all__ = ["effective_n_threads", "in_forked_child", "usable_cpu_count"]
 
 _forked = False
+#: Whether this process (or the one it was forked from) has asked for more than one thread,
+#: i.e. may have started GNU OpenMP's thread pool.
+_threads_started = False
+_warned_in_child = False
 
 
 def _after_fork_in_child() -> None:
@@ -116,11 +120,40 @@ def effective_n_threads(n_threads: int | None = None) -> int:
         if _forked:
             # GNU OpenMP cannot start threads in a child forked from a process that already ran
             # a parallel region: it hangs. Default to one thread there (e.g. DataLoader workers
-            # under fork); pass n_threads explicitly only if the parent never used OpenMP, or
-            # start workers with spawn.
+            # under fork); start workers with spawn to decode with several.
             return 1
         env = _omp_num_threads()
-        return env if env is not None else usable_cpu_count()
-    if n_threads < 0:
-        return max(1, usable_cpu_count() + 1 + n_threads)
-    return int(n_threads)
+        count = env if env is not None else usable_cpu_count()
+    elif n_threads < 0:
+        count = max(1, usable_cpu_count() + 1 + n_threads)
+    else:
+        count = int(n_threads)
+    if count > 1:
+        if _forked and _threads_started:
+            _warn_forked_child(count)
+            return 1
+        _note_threads_started()
+    return count
+
+
+def _note_threads_started() -> None:
+    global _threads_started
+    _threads_started = True
+
+
+def _warn_forked_child(count: int) -> None:
+    """An explicit thread count in a child forked after the parent ran parallel code: the
+    child would hang in OpenMP, so it decodes on one thread, and says so once."""
+    global _warned_in_child
+    if _warned_in_child:
+        return
+    _warned_in_child = True
+    import warnings
+
+    warnings.warn(
+        f"deltacells: n_threads={count} in a process forked after its parent decoded in "
+        "parallel; GNU OpenMP would hang there, so one thread is used. Start workers with "
+        "the 'spawn' or 'forkserver' method to decode with several threads.",
+        RuntimeWarning,
+        stacklevel=4,
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -108,6 +109,10 @@ class DeltacellsCSRDataset(CSRDataset):
         self._to_source = None if order is None else order.astype(np.int64)
         self._cache: OrderedDict[int, Tile] = OrderedDict()
         self._cached_bytes = 0
+        # One lazy X is shared by the threads of torch's thread loaders and dask's threaded
+        # scheduler: the cache's bookkeeping is done under this lock, fetching and decoding
+        # outside it.
+        self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
         # Pickles as a recipe (location and options): each process reopens the dataset and
@@ -151,32 +156,38 @@ class DeltacellsCSRDataset(CSRDataset):
         """Several tiles; those not cached are fetched (from remote stores concurrently, in
         background threads) and validated (CRC, structure) as they arrive, each with all
         decoding threads."""
-        missing = [t for t in dict.fromkeys(int(t) for t in indices) if t not in self._cache]
+        wanted = [int(t) for t in indices]
+        found: dict[int, Tile] = {}
+        with self._lock:
+            for t in dict.fromkeys(wanted):
+                tile = self._cache.get(t)
+                if tile is not None:
+                    self._cache.move_to_end(t)
+                    found[t] = tile
+        missing = [t for t in dict.fromkeys(wanted) if t not in found]
         if len(missing) > 1 and not self.dataset.store.is_local:
             sizes = [self.dataset.manifest.tile_bytes[t] for t in missing]
             futures = self.dataset.store.prefetch([tile_name(t) for t in missing], sizes)
             for t, future in zip(missing, futures.values(), strict=True):
                 blob = future.result()
-                self._remember(t, self.dataset.tile(t, n_threads=self.n_threads, blob=blob))
+                found[t] = self.dataset.tile(t, n_threads=self.n_threads, blob=blob)
+                self._remember(t, found[t])
         else:  # local reads take a fraction of the validation: threads would only contend
             for t in missing:
-                self._remember(t, self.dataset.tile(t, n_threads=self.n_threads))
-        result = []
-        for t in indices:
-            tile = self._cache.get(int(t))
-            if tile is None:  # evicted while loading a larger batch than the cache holds
-                tile = self.dataset.tile(int(t), n_threads=self.n_threads)
-            else:
-                self._cache.move_to_end(int(t))
-            result.append(tile)
-        return result
+                found[t] = self.dataset.tile(t, n_threads=self.n_threads)
+                self._remember(t, found[t])
+        # Tiles this call loaded are returned even if the cache already evicted them.
+        return [found[t] for t in wanted]
 
     def _remember(self, index: int, tile: Tile) -> None:
-        self._cache[index] = tile
-        self._cached_bytes += tile.nbytes
-        while self._cached_bytes > self.tile_cache_bytes and len(self._cache) > 1:
-            _, old = self._cache.popitem(last=False)
-            self._cached_bytes -= old.nbytes
+        with self._lock:
+            if index in self._cache:  # another thread loaded it meanwhile
+                return
+            self._cache[index] = tile
+            self._cached_bytes += tile.nbytes
+            while self._cached_bytes > self.tile_cache_bytes and len(self._cache) > 1:
+                _, old = self._cache.popitem(last=False)
+                self._cached_bytes -= old.nbytes
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -275,7 +286,8 @@ class DeltacellsCSRDataset(CSRDataset):
         for t in range(m.n_tiles):
             if window and t + window < m.n_tiles:
                 futures |= fetch(range(t + window, t + window + 1))
-            tile = self._cache.get(t)
+            with self._lock:
+                tile = self._cache.get(t)
             if tile is None:
                 blob = futures.pop(tile_name(t)).result() if window else None
                 tile = self.dataset.tile(t, n_threads=self.n_threads, blob=blob)

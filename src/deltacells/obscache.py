@@ -14,7 +14,6 @@ obs.
 from __future__ import annotations
 
 import fcntl
-import io
 import os
 import tempfile
 import urllib.parse
@@ -28,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from deltacells import _kernels
-from deltacells.dataset import Dataset, category_from_codes
+from deltacells.dataset import Dataset, arrow_reader, category_from_codes
 from deltacells.format import FormatError
 from deltacells.manifest import OBS_SCHEMA_NAME, ObsSchema
 
@@ -169,7 +168,7 @@ class ObsCache:
                     )
                 for s in range(m.n_obs_shards):
                     # Size and SHA-256 against the manifest before anything is parsed.
-                    parquet = pq.ParquetFile(io.BytesIO(self.dataset.obs_shard(s)))
+                    parquet = pq.ParquetFile(arrow_reader(self.dataset.obs_shard(s)))
                     for g in range(parquet.metadata.num_row_groups):
                         # One batch per row group, i.e. per tile (tiles are never empty).
                         table = parquet.read_row_group(g, columns=columns)

@@ -23,9 +23,10 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
     ``{"X", "cells", <obs columns>}``.
 
     Workers may be forked or spawned. GNU OpenMP hangs in a forked child whose parent has used
-    it, so in a forked worker deltacells decodes on one thread unless ``n_threads`` is given:
-    with ``multiprocessing_context="fork"`` use about as many workers as cores; with
-    ``"spawn"`` (or ``"forkserver"``) each worker may use several threads (``n_threads``).
+    it, so a forked worker decodes on one thread (with a warning if ``n_threads`` asked for
+    more after the parent decoded in parallel): with ``multiprocessing_context="fork"`` use
+    about as many workers as cores; with ``"spawn"`` (or ``"forkserver"``) each worker may
+    use several threads (``n_threads``).
 
     Parameters
     ----------

@@ -936,9 +936,9 @@ def _var_parquet(var: pd.DataFrame) -> bytes:
         table = pa.Table.from_pandas(var, preserve_index=True)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
         raise ValueError(f"var cannot be stored as parquet: {err}") from None
-    buffer = io.BytesIO()
+    buffer = pa.BufferOutputStream()  # not a Python file object (see deltacells.dataset)
     pq.write_table(table, buffer, compression="zstd")
-    return buffer.getvalue()
+    return buffer.getvalue().to_pybytes()
 
 
 def _write_obs(store, obs_plan, plan, tile_size, tile_cells, tiles_per_file) -> dict:
@@ -949,7 +949,7 @@ def _write_obs(store, obs_plan, plan, tile_size, tile_cells, tiles_per_file) -> 
     n_tiles = len(tile_cells)
     shard_bytes, shard_sha = [], []
     for s in range(-(-n_tiles // tiles_per_file)):
-        buffer = io.BytesIO()
+        buffer = pa.BufferOutputStream()
         with pq.ParquetWriter(
             buffer, arrow_schema, compression="zstd", write_statistics=False
         ) as writer:
@@ -958,7 +958,7 @@ def _write_obs(store, obs_plan, plan, tile_size, tile_cells, tiles_per_file) -> 
                 arrays = [makers[c.name](rows) for c in schema.columns]
                 table = pa.Table.from_arrays(arrays, schema=arrow_schema)
                 writer.write_table(table, row_group_size=max(len(rows), 1))
-        data = buffer.getvalue()
+        data = buffer.getvalue().to_pybytes()
         store.write_atomic(obs_shard_name(s), data)
         shard_bytes.append(len(data))
         shard_sha.append(hashlib.sha256(data).hexdigest())
