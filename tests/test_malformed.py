@@ -474,6 +474,42 @@ def test_gap_exceptions_adding_up_past_n_genes(blob):
     rejects(replace_frame(blob, 0, 3, exception_frame(pos, pay)), "gene index >= n_genes")
 
 
+def test_present_exception_frame_holding_no_exceptions_is_valid():
+    """k = 0: a frame whose content is empty decodes as no exceptions (docs/format.md)."""
+    matrix = sp.csr_matrix(np.array([[0, 3, 1], [2, 0, 0]]))
+    plain = dc.encode_tile(matrix, n_chunks=1)
+    for which in (2, 3):
+        with_empty = replace_frame(plain, 0, which, zframe(b""))
+        assert read_table(with_empty)[0, 5 + 2 * which] > 0
+        tile = dc.Tile(with_empty)
+        assert tile.exception_counts.tolist() == [[0, 0]]
+        assert (tile.decode(np.int32) != matrix).nnz == 0
+        assert (tile.gather([1, 0]) != matrix[[1, 0]]).nnz == 0
+
+
+def test_empty_exception_frame_that_holds_data_is_refused():
+    """A frame whose header says 0 bytes but whose block holds some: refused whatever the
+    libzstd version (decompressing into no room fails)."""
+    matrix = sp.csr_matrix(np.array([[0, 3, 1], [2, 0, 0]]))
+    plain = dc.encode_tile(matrix, n_chunks=1)
+    frame = bytearray(zstandard.ZstdCompressor(level=3, write_content_size=True).compress(
+        bytes(16)))  # fmt: skip
+    descriptor = frame[4]
+    assert descriptor & 0x20 and not descriptor >> 6  # single segment, 1-byte content size
+    frame[5] = 0  # the content size now says 0
+    rejects(replace_frame(plain, 0, 2, bytes(frame)), "decompress|exception")
+
+
+def test_the_writer_never_writes_an_empty_exception_frame(real_counts):
+    for matrix in real_counts.values():
+        tile = dc.Tile(dc.encode_tile(matrix[:400], n_chunks=16))
+        table = read_table(bytes(tile._buf))
+        counts = tile.exception_counts
+        for which, column in ((2, 0), (3, 1)):
+            present = table[:, 5 + 2 * which] > 0
+            assert np.array_equal(present, counts[:, column] > 0)
+
+
 # --- fuzzing ----------------------------------------------------------------------------------
 
 

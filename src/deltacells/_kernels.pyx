@@ -668,6 +668,15 @@ cdef int _load_exception_frame(ZSTD_DCtx* dctx, const uint8_t* blob, const int64
     cdef int64_t i
     cdef size_t got
     if k == 0:
+        if entry[5 + 2 * which] == 0:
+            return OK  # absent: the usual case
+        # A present frame holding k = 0 exceptions is valid (docs/format.md) but must really
+        # decompress to nothing, whatever blocks follow its header.
+        got = ZSTD_decompressDCtx(dctx, dst, 0, blob + entry[4 + 2 * which],
+                                  <size_t>entry[5 + 2 * which])
+        if ZSTD_isError(got) or got != 0:
+            detail[0] = which
+            return E_DECOMPRESS
         return OK
     got = ZSTD_decompressDCtx(dctx, dst, <size_t>(8 * k), blob + entry[4 + 2 * which],
                               <size_t>entry[5 + 2 * which])

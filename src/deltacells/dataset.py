@@ -212,7 +212,7 @@ class Dataset:
         where = self.store.describe(VAR_TABLE_NAME)
         try:
             table = pq.read_table(arrow_reader(self.store.read_bytes(VAR_TABLE_NAME)))
-        except (OSError, ValueError) as err:
+        except PARQUET_ERRORS as err:
             raise FormatError(f"{where}: unreadable parquet ({err})") from None
         var = table.to_pandas()
         if len(var) != self.manifest.n_genes:
@@ -261,8 +261,12 @@ class Dataset:
             where = self.store.describe(obs_shard_name(s))
             try:
                 table = pq.read_table(arrow_reader(self.obs_shard(s)), columns=names)
-            except (OSError, ValueError, KeyError) as err:  # ArrowInvalid is a ValueError
+            except PARQUET_ERRORS as err:
                 raise FormatError(f"{where}: unreadable parquet ({err})") from None
+            k = self.manifest.obs_tiles_per_file
+            cells = sum(self.manifest.tile_cells[s * k : (s + 1) * k])
+            if table.num_rows != cells:
+                raise FormatError(f"{where}: {table.num_rows} rows, its tiles hold {cells} cells")
             part = table.to_pandas()
             for name in names:
                 if schema[name].kind == "category":
@@ -358,7 +362,11 @@ class Dataset:
         import pyarrow.parquet as pq
 
         name = self.store.describe(obs_shard_name(index))
-        meta = pq.ParquetFile(arrow_reader(self.obs_shard(index))).metadata
+        try:
+            meta = pq.ParquetFile(arrow_reader(self.obs_shard(index))).metadata
+            arrow_schema = meta.schema.to_arrow_schema()
+        except PARQUET_ERRORS as err:
+            raise FormatError(f"{name}: unreadable parquet ({err})") from None
         m = self.manifest
         k = m.obs_tiles_per_file
         tiles = range(index * k, min((index + 1) * k, m.n_tiles))
@@ -370,7 +378,6 @@ class Dataset:
                     f"{name}: row group {g} has {meta.row_group(g).num_rows} rows, "
                     f"tile {t} has {m.tile_cells[t]} cells"
                 )
-        arrow_schema = meta.schema.to_arrow_schema()
         if arrow_schema.names != schema.names:
             raise FormatError(f"{name}: columns {arrow_schema.names} != schema {schema.names}")
         for column in schema.columns:
@@ -400,6 +407,12 @@ class Dataset:
             "gene_order": m.has_gene_order,
             "obs_columns": {c.name: c.kind for c in schema.columns} if schema else {},
         }
+
+
+#: What pyarrow raises for damaged parquet (ArrowInvalid is a ValueError, ArrowNotImplemented
+#: a NotImplementedError; all are ArrowException).
+PARQUET_ERRORS = (OSError, ValueError, KeyError, IndexError, NotImplementedError,
+                  pa.ArrowException)  # fmt: skip
 
 
 def arrow_reader(data: bytes) -> pa.BufferReader:

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from deltacells import _kernels
-from deltacells.dataset import Dataset, arrow_reader, category_from_codes
+from deltacells.dataset import PARQUET_ERRORS, Dataset, arrow_reader, category_from_codes
 from deltacells.format import FormatError
 from deltacells.manifest import OBS_SCHEMA_NAME, ObsSchema
 
@@ -128,7 +128,7 @@ class ObsCache:
                     and all(reader.get_batch(i).num_rows == m.tile_cells[i]
                             for i in range(m.n_tiles))
                 )  # fmt: skip
-        except (pa.ArrowInvalid, OSError):
+        except PARQUET_ERRORS:
             return False
 
     def localize(self, columns: Sequence[str]) -> list[str]:
@@ -177,7 +177,7 @@ class ObsCache:
                             writers[column].write_batch(part.combine_chunks().to_batches()[0])
             for column in columns:
                 self._commit(column, temporary.pop(column))
-        except (OSError, pa.ArrowInvalid, IndexError, KeyError) as err:
+        except PARQUET_ERRORS as err:
             where = store.describe()
             raise FormatError(f"{where}: cannot localize obs columns {columns}: {err}") from err
         finally:

@@ -1,24 +1,56 @@
-"""Helpers for testing deltacells and code built on it: tile mutation fuzzing.
+"""Helpers for testing deltacells and code built on it: mutation fuzzing of tiles, manifests
+and obs shards.
 
 :func:`fuzz_tiles` feeds mutated tiles to the decoder and checks the one promise a reader makes
 about hostile input: it either raises :class:`~deltacells.FormatError` or returns a well-formed
 matrix of the declared shape; it never crashes, hangs or allocates absurd memory.
+:func:`fuzz_frame_contents` goes further for mutants whose zstd frames are valid but whose
+content is damaged (the frames are decompressed, changed and compressed again, so no libzstd
+version decides how a broken frame decodes): the decoder must agree exactly with
+:func:`reference_decode`, a plain numpy reading of FORMAT.md. :func:`fuzz_manifests` and
+:func:`fuzz_obs_shards` damage a dataset's manifest and obs shards (the shard's hash recorded
+anew, so the parquet reader is reached) and read everything back.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
 import struct
+import tempfile
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
+import zstandard
 
 from deltacells.codec import Tile
-from deltacells.format import HEADER_SIZE, FormatError
+from deltacells.format import (
+    CELL_HI,
+    CELL_LO,
+    HEADER_SIZE,
+    NNZ_HI,
+    NNZ_LO,
+    FormatError,
+    parse_layout,
+)
 
-__all__ = ["FuzzReport", "check_rejects_or_decodes", "fuzz_tiles", "mutate_tile"]
+__all__ = [
+    "FuzzReport",
+    "ReferenceReject",
+    "check_rejects_or_decodes",
+    "fuzz_frame_contents",
+    "fuzz_manifests",
+    "fuzz_obs_shards",
+    "fuzz_tiles",
+    "mutate_frame_content",
+    "mutate_tile",
+    "reference_decode",
+]
 
 _BOUNDARY_U64 = (0, 1, 7, 8, 63, 64, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1,
                  2**64 - 1)  # fmt: skip
@@ -132,4 +164,295 @@ def fuzz_tiles(seeds: Iterable[bytes], n_mutants: int, *, seed: int = 0) -> Fuzz
             report.rejected += 1
         else:
             report.decoded += 1
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# Frame contents against a reference reading of FORMAT.md
+
+
+class ReferenceReject(Exception):
+    """:func:`reference_decode` found a rule of FORMAT.md broken."""
+
+
+def _frame_of(blob: bytes, entry: np.ndarray, which: int) -> bytes | None:
+    off, length = int(entry[4 + 2 * which]), int(entry[5 + 2 * which])
+    if length == 0:
+        return None
+    return zstandard.ZstdDecompressor().decompress(blob[off : off + length])
+
+
+def reference_decode(blob: bytes) -> sp.csr_matrix:
+    """Decode a tile whose structure and frames are sound, value by value, with numpy.
+
+    Independent of the kernels (only the structure parser is shared) and of how a libzstd
+    version treats damaged frames (the ``zstandard`` package decompresses valid frames).
+
+    Raises
+    ------
+    ReferenceReject
+        For any content rule of FORMAT.md the tile breaks.
+    """
+    layout = parse_layout(blob)
+    n_genes = layout.n_genes
+    indptr = layout.indptr
+    indices = np.zeros(layout.nnz, dtype=np.int64)
+    values = np.zeros(layout.nnz, dtype=np.int64)
+    for entry in layout.chunks:
+        lo, hi = int(entry[NNZ_LO]), int(entry[NNZ_HI])
+        n = hi - lo
+        streams = []
+        for which in (0, 1):
+            raw = _frame_of(blob, entry, which)
+            if raw is None or len(raw) != 2 * n:
+                raise ReferenceReject("stream size")
+            planes = np.frombuffer(raw, dtype=np.uint8).astype(np.int64)
+            streams.append(planes[:n] | (planes[n:] << 8))
+        gaps, vals = streams
+        exceptions = []
+        for which, (low, high) in ((2, (65536, 2**31 - 1)), (3, (1, n_genes - 1))):
+            raw = _frame_of(blob, entry, which)
+            raw = b"" if raw is None else raw
+            if len(raw) % 8 or len(raw) // 8 > n:
+                raise ReferenceReject("exception frame size")
+            k = len(raw) // 8
+            words = np.frombuffer(raw, dtype="<u4").astype(np.int64)
+            pos, pay = words[:k], words[k:]
+            if k and (np.any(np.diff(pos) <= 0) or pos[-1] >= n):
+                raise ReferenceReject("exception positions")
+            if np.any((pay < low) | (pay > high)):
+                raise ReferenceReject("exception payload")
+            exceptions.append((pos, pay))
+        (vpos, vpay), (gpos, gpay) = exceptions
+        if np.any(vals[vpos] != 65535) or np.any(gaps[gpos] != 65535):
+            raise ReferenceReject("exception on a stored value other than 65535")
+        vals = vals.copy()
+        vals[vpos] = vpay
+        extra = np.zeros(n, dtype=np.int64)
+        extra[gpos] = gpay
+        for cell in range(int(entry[CELL_LO]), int(entry[CELL_HI])):
+            a, b = int(indptr[cell]) - lo, int(indptr[cell + 1]) - lo
+            if np.any(gaps[a + 1 : b] == 0):
+                raise ReferenceReject("zero gap inside a cell")
+            genes = np.cumsum(gaps[a:b]) + np.cumsum(extra[a:b])
+            if b > a and genes[-1] >= n_genes:
+                raise ReferenceReject("gene index >= n_genes")
+            indices[lo + a : lo + b] = genes
+        if np.any(vals == 0):
+            raise ReferenceReject("zero count")
+        values[lo:hi] = vals
+    return sp.csr_matrix((values, indices, indptr), shape=(layout.n_cells, n_genes))
+
+
+def mutate_frame_content(blob: bytes, rng: np.random.Generator) -> bytes:
+    """A copy of a sound tile with one frame's decompressed content changed and compressed
+    again (valid zstd, content size included), so the decoder's value checks are reached.
+
+    Content changes: one to three bytes set to random or boundary values (0, 1, 0xFF), one
+    uint16 of a stream set to 0 or 65535, or the content lengthened or shortened by 2 or 8
+    bytes. The frame is appended to the tile and the chunk table points at it; the CRC is
+    corrected.
+    """
+    layout = parse_layout(blob)
+    candidates = [(c, w) for c in range(layout.n_chunks) for w in range(4)
+                  if layout.chunks[c, 5 + 2 * w] > 0]  # fmt: skip
+    if not candidates:
+        return blob
+    chunk, which = candidates[int(rng.integers(len(candidates)))]
+    content = bytearray(_frame_of(blob, layout.chunks[chunk], which) or b"")
+    kind = int(rng.integers(4))
+    if kind == 0 and content:
+        for _ in range(int(rng.integers(1, 4))):
+            pos = int(rng.integers(len(content)))
+            content[pos] = int(rng.choice([0, 1, 0xFF, int(rng.integers(256))]))
+    elif kind == 1 and len(content) >= 2:
+        n = len(content) // 2
+        i = int(rng.integers(n))
+        value = int(rng.choice([0, 65535]))
+        if which < 2:  # byte planes: low byte at i, high byte at n + i
+            content[i], content[n + i] = value & 0xFF, value >> 8
+        else:
+            content[2 * i : 2 * i + 2] = struct.pack("<H", value)
+    else:
+        step = 2 if which < 2 else 8
+        if rng.random() < 0.5:
+            content += bytes(step)
+        else:
+            del content[max(0, len(content) - step) :]
+    frame = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(bytes(content))
+    out = bytearray(blob)
+    out += bytes(-len(out) % 8)
+    offset = len(out)
+    out += frame
+    table_at = HEADER_SIZE + 96 * chunk + 8 * (4 + 2 * which)
+    struct.pack_into("<QQ", out, table_at, offset, len(frame))
+    struct.pack_into("<Q", out, 48, len(out))  # total_size
+    _fix_crc(out)
+    return bytes(out)
+
+
+def fuzz_frame_contents(seeds: Iterable[bytes], n_mutants: int, *, seed: int = 0) -> FuzzReport:
+    """Mutants of :func:`mutate_frame_content`: the decoder must reject exactly those
+    :func:`reference_decode` rejects, and decode the others to the reference's matrix, on one
+    thread and on two, whole and by gathering."""
+    rng = np.random.default_rng(seed)
+    corpus = [s for s in seeds if parse_layout(s).version == 2]
+    report = FuzzReport()
+    for i in range(n_mutants):
+        mutant = mutate_frame_content(corpus[i % len(corpus)], rng)
+        try:
+            expected = reference_decode(mutant)
+        except ReferenceReject as why:
+            expected, reason = None, str(why)
+        try:
+            tile = Tile(mutant)
+            outcomes = [tile.decode(np.int32, n_threads=t) for t in (1, 2)]
+            rows = np.arange(tile.shape[0])[::-1]
+            outcomes.append(tile.gather(rows, np.int32, n_threads=2)[np.argsort(rows)])
+        except FormatError as err:
+            if expected is not None:
+                raise AssertionError(
+                    f"mutant {i}: rejected ({err}), the reference decodes it"
+                ) from err
+            report.rejected += 1
+            continue
+        if expected is None:
+            raise AssertionError(f"mutant {i}: decoded, the reference rejects it ({reason})")
+        for matrix in outcomes:
+            _assert_well_formed(matrix, tile.shape)
+            if (matrix != expected).nnz:
+                raise AssertionError(f"mutant {i}: decoded to another matrix than the reference")
+        report.decoded += 1
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# Dataset files
+
+_POOL = (None, True, -1, 0, 1, 7, 63, 64, 2**31, 2**32, 2**62, 2**63, 2**64, 10**30, 1.5,
+         float("1e308"), "", "x", [], [0], [2**40], {}, {"a": 1})  # fmt: skip
+
+
+def _read_everything(root: Path, cache_dir: Path) -> None:
+    """What a user does with a dataset: open, every tile, genes, obs, the lazy AnnData."""
+    from deltacells.backed import read_deltacells
+    from deltacells.dataset import open_dataset
+
+    dataset = open_dataset(root)
+    for t in range(dataset.manifest.n_tiles):
+        dataset.tile(t).decode(np.int32)
+    dataset.gene_order()
+    dataset.var_names()
+    dataset.var()
+    dataset.read_obs()
+    adata = read_deltacells(root, cache_dir=cache_dir)
+    adata.X.to_memory()
+    dataset.verify()
+
+
+def _mutate_json(obj, rng: np.random.Generator):
+    """A copy of a JSON object with one value replaced, a key removed or a list changed."""
+    out = json.loads(json.dumps(obj))
+    target, key = out, None
+    for _ in range(3):  # walk down a little
+        keys = list(target) if isinstance(target, dict) else list(range(len(target)))
+        if not keys:
+            break
+        key = keys[int(rng.integers(len(keys)))]
+        if not isinstance(target[key], dict | list) or rng.random() < 0.4:
+            break
+        target = target[key]
+    if key is None:
+        return out
+    action = int(rng.integers(4))
+    if action == 0 and isinstance(target, dict):
+        del target[key]
+    elif action == 1 and isinstance(target[key], list):
+        target[key] = target[key] + target[key][:1] if rng.random() < 0.5 else target[key][1:]
+    elif action == 2 and isinstance(target[key], int) and not isinstance(target[key], bool):
+        target[key] += int(rng.choice([-1, 1, 64, -64]))
+    else:
+        target[key] = _POOL[int(rng.integers(len(_POOL)))]
+    return out
+
+
+def fuzz_manifests(root: str | Path, n_mutants: int, *, seed: int = 0) -> FuzzReport:
+    """Damage ``root``'s manifest ``n_mutants`` times (values, keys, lists, duplicate keys,
+    truncation) and read everything back each time: only :class:`FormatError` may come out.
+
+    ``root`` is copied; the original is never changed.
+    """
+    rng = np.random.default_rng(seed)
+    report = FuzzReport()
+    with tempfile.TemporaryDirectory(prefix="deltacells-fuzz-") as tmp:
+        work = Path(tmp) / "d"
+        shutil.copytree(root, work)
+        text = (work / "manifest.json").read_text()
+        original = json.loads(text)
+        for i in range(n_mutants):
+            kind = int(rng.integers(10))
+            if kind == 0:
+                mutant = text[: int(rng.integers(len(text)))]
+            elif kind == 1:
+                key = list(original)[int(rng.integers(len(original)))]
+                mutant = "{" + json.dumps(key) + ": 0, " + text.lstrip()[1:]
+            else:
+                mutant = json.dumps(_mutate_json(original, rng))
+            (work / "manifest.json").write_text(mutant)
+            try:
+                _read_everything(work, Path(tmp) / f"cache{i % 4}")
+                report.decoded += 1
+            except FormatError:
+                report.rejected += 1
+            except Exception as err:
+                raise AssertionError(f"manifest mutant {i} raised {err!r}:\n{mutant}") from err
+    return report
+
+
+def fuzz_obs_shards(root: str | Path, n_mutants: int, *, seed: int = 0) -> FuzzReport:
+    """Damage ``root``'s first obs shard ``n_mutants`` times (bit flips, random bytes,
+    truncation, footer damage), record its size, hash and the obs fingerprint in the manifest
+    as a writer would, and read everything back: only :class:`FormatError` may come out (the
+    parquet format has no checksums, so some damage reads back as other values)."""
+    from deltacells.manifest import OBS_SCHEMA_NAME, obs_fingerprint, obs_shard_name
+
+    rng = np.random.default_rng(seed)
+    report = FuzzReport()
+    with tempfile.TemporaryDirectory(prefix="deltacells-fuzz-") as tmp:
+        work = Path(tmp) / "d"
+        shutil.copytree(root, work)
+        manifest = json.loads((work / "manifest.json").read_text())
+        shard = work / obs_shard_name(0)
+        pristine = shard.read_bytes()
+        schema_text = (work / OBS_SCHEMA_NAME).read_text()
+        for i in range(n_mutants):
+            data = bytearray(pristine)
+            kind = int(rng.integers(4))
+            if kind == 0:
+                for _ in range(int(rng.integers(1, 4))):
+                    bit = int(rng.integers(8 * len(data)))
+                    data[bit // 8] ^= 1 << (bit % 8)
+            elif kind == 1:  # the footer, where the structure is
+                pos = len(data) - 8 - int(rng.integers(min(len(data) - 8, 2000)))
+                data[pos] = int(rng.integers(256))
+            elif kind == 2:
+                del data[int(rng.integers(len(data))) :]
+            else:
+                pos = int(rng.integers(len(data)))
+                data[pos : pos + 4] = rng.integers(0, 256, 4, dtype=np.uint8).tobytes()
+            shard.write_bytes(bytes(data))
+            m = dict(manifest)
+            m["obs_shard_bytes"] = [len(data), *manifest["obs_shard_bytes"][1:]]
+            m["obs_shard_sha256"] = [hashlib.sha256(data).hexdigest(),
+                                     *manifest["obs_shard_sha256"][1:]]  # fmt: skip
+            m["obs_fingerprint"] = obs_fingerprint(schema_text, m["tile_cells"],
+                                                   m["obs_shard_sha256"])  # fmt: skip
+            (work / "manifest.json").write_text(json.dumps(m))
+            try:
+                _read_everything(work, Path(tmp) / "cache")
+                report.decoded += 1
+            except FormatError:
+                report.rejected += 1
+            except Exception as err:
+                raise AssertionError(f"obs shard mutant {i} (kind {kind}) raised {err!r}") from err
     return report
