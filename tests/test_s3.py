@@ -211,3 +211,17 @@ def test_persistent_server_errors_name_the_url_over_http(proxied):
     with pytest.raises(StorageError, match=r"tiles/tile_000005\.dct: ranged read failed 5 times"):
         dataset.tile(5)
     assert len(proxy.injected) == 5  # one request per attempt: the retries are ours
+
+
+def test_whole_anndata_through_s3(s3, tmp_path):
+    from test_whole_anndata import assert_round_trip, processed
+
+    _, options, _, _ = s3
+    source = processed(n_cells=150, seed=11)
+    url = "s3://cells/whole/d"
+    dc.write_deltacells(source, url, tile_size=64, storage_options=options, progress=False)
+    back = dc.read_deltacells(url, storage_options=options, cache_dir=tmp_path)
+    assert_round_trip(source, back)
+    lazy = dc.read_deltacells(url, storage_options=options, cache_dir=tmp_path, elements="lazy")
+    np.testing.assert_array_equal(lazy.obsm["spatial"].compute(), source.obsm["spatial"])
+    dc.open_dataset(url, storage_options=options).verify()

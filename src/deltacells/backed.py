@@ -17,7 +17,8 @@ from numpy.typing import DTypeLike
 
 from deltacells.codec import Tile, _value_dtype, empty_output
 from deltacells.dataset import Dataset, gather_cells, group_by_tile, open_dataset
-from deltacells.manifest import tile_name
+from deltacells.format import FormatError
+from deltacells.manifest import MANIFEST_NAME, StoredParts, tile_name
 from deltacells.obscache import ObsCache
 
 __all__ = ["DeltacellsCSRDataset", "read_deltacells"]
@@ -334,6 +335,7 @@ def read_deltacells(
     dask: bool = False,
     timeout: float | None = None,
     deadline: float | None = None,
+    elements: bool | str = True,
 ) -> ad.AnnData:
     """Open a deltacells dataset as an AnnData with a lazily decoded X.
 
@@ -362,6 +364,11 @@ def read_deltacells(
     timeout, deadline
         Remote stores: seconds one request may take before it is retried, and seconds one
         read may take in all, retries included (see :func:`~deltacells.open_dataset`).
+    elements
+        The rest of the AnnData, if the dataset stored it: count layers and raw as lazy
+        matrices like X (always); obsm, varm, obsp, varp, uns and other layers read into
+        memory (``True``), as dask arrays that read their chunks when computed (``"lazy"``;
+        uns is read whole), or not at all (``False``).
 
     Returns
     -------
@@ -374,7 +381,65 @@ def read_deltacells(
                              n_threads=n_threads, tile_cache_bytes=tile_cache_bytes)  # fmt: skip
     var = _var(dataset, column_order)
     obs_frame = _obs(dataset, obs, cache_dir)
-    return ad.AnnData(X=X.to_dask() if dask else X, obs=obs_frame, var=var)
+    options = {"column_order": column_order, "values_dtype": values_dtype,
+               "n_threads": n_threads, "tile_cache_bytes": tile_cache_bytes, "dask": dask}
+    parts = _stored_parts(dataset, X, elements, options)  # fmt: skip
+    return ad.AnnData(X=X.to_dask() if dask else X, obs=obs_frame, var=var, **parts)
+
+
+def _lazy_matrix(dataset: Dataset, options: dict) -> Any:
+    matrix = DeltacellsCSRDataset(
+        dataset, column_order=options["column_order"], values_dtype=options["values_dtype"],
+        n_threads=options["n_threads"], tile_cache_bytes=options["tile_cache_bytes"],
+    )  # fmt: skip
+    return matrix.to_dask() if options["dask"] else matrix
+
+
+def _stored_parts(
+    dataset: Dataset, X: DeltacellsCSRDataset, elements: bool | str, options: dict
+) -> dict[str, Any]:
+    """layers, raw, obsm, varm, obsp, varp and uns as AnnData takes them (see
+    :mod:`deltacells.elements`)."""
+    from deltacells.elements import read_elements
+
+    where = dataset.store.describe(MANIFEST_NAME)
+    parts = StoredParts.from_manifest(dataset.manifest, where)
+    store = dataset.store
+    out: dict[str, Any] = {}
+    layers: dict[str, Any] = {}
+    for name, location in parts.layers.items():
+        if location == ".":
+            layers[name] = X.to_dask() if options["dask"] else X
+            continue
+        sub = open_dataset(store.child(location))
+        if sub.shape != dataset.shape:
+            raise FormatError(f"{where}: layer {name!r} has shape {sub.shape}")
+        layers[name] = _lazy_matrix(sub, options)
+    if parts.raw == "raw":
+        sub = open_dataset(store.child(parts.raw))
+        if sub.shape[0] != dataset.shape[0]:
+            raise FormatError(f"{where}: raw has {sub.shape[0]} cells, X {dataset.shape[0]}")
+        out["raw"] = {"X": _lazy_matrix(sub, options), "var": _var(sub, options["column_order"])}
+    if elements and parts.elements:
+        stored = read_elements(store, list(parts.elements), lazy=elements == "lazy")
+        layers |= stored.pop("layers", {})
+        order = dataset.gene_order()
+        if options["column_order"] == "stored" and order is not None:
+            # varm and varp are stored in source gene order, like var.
+            for key in ("varm", "varp"):
+                stored[key] = {k: _take_genes(v, order, key == "varp")
+                               for k, v in stored.get(key, {}).items()}  # fmt: skip
+        out |= stored
+    if layers:
+        out["layers"] = layers
+    return out
+
+
+def _take_genes(value: Any, order: np.ndarray, both_axes: bool) -> Any:
+    if isinstance(value, pd.DataFrame):
+        return value.iloc[order]
+    value = value[order]
+    return value[:, order] if both_axes else value
 
 
 def _var(dataset: Dataset, column_order: str) -> pd.DataFrame:

@@ -29,6 +29,7 @@ from deltacells.manifest import (
     Manifest,
     ObsColumn,
     ObsSchema,
+    StoredParts,
     obs_fingerprint,
     obs_shard_name,
     tile_name,
@@ -311,6 +312,22 @@ class Dataset:
                     f"!= {expected} computed from the schema and shards"
                 )
             self._check_obs_values(schema)
+        self._verify_stored_parts(progress)
+
+    def _verify_stored_parts(self, progress) -> None:
+        """Count layers and raw (datasets of their own) and the anndata elements."""
+        parts = StoredParts.from_manifest(self.manifest, self.store.describe(MANIFEST_NAME))
+        for location in parts.matrices:
+            sub = open_dataset(self.store.child(location))
+            cells = sub.manifest.n_cells
+            if cells != self.manifest.n_cells:
+                raise FormatError(f"{sub.store.describe()}: {cells} cells, X has "
+                                  f"{self.manifest.n_cells}")  # fmt: skip
+            sub.verify(progress)
+        if parts.elements:
+            from deltacells.elements import read_elements
+
+            read_elements(self.store, list(parts.elements))
 
     def obs_index_column(self, schema: ObsSchema | None = None) -> str | None:
         """The obs column holding obs_names (None: there is none), checked to be a string

@@ -408,3 +408,53 @@ class Manifest:
             tile_crc32=tile_crc32,
             **fields,
         )
+
+
+#: Where a count layer (``layers/<quoted name>``) or raw (``raw``) may live in a dataset.
+_STORED_MATRIX = re.compile(r"layers/[^/.][^/]*|raw")
+_ELEMENT_NAMES = ("obsm", "varm", "obsp", "varp", "uns", "layers")
+
+
+@dataclass(frozen=True)
+class StoredParts:
+    """What ``metadata["anndata"]`` records of an AnnData's other parts: count layers and raw
+    stored as datasets of their own (location ``"."`` means X itself), and the elements in the
+    ``anndata.zarr`` group."""
+
+    layers: dict[str, str] = field(default_factory=dict)
+    raw: str | None = None
+    elements: tuple[str, ...] = ()
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest, where: str = MANIFEST_NAME) -> StoredParts:
+        """Parse and check the record (an empty one for datasets without it).
+
+        Raises
+        ------
+        FormatError
+            For a malformed record or a location outside the dataset.
+        """
+        record = manifest.metadata.get("anndata")
+        if record is None:
+            return cls()
+        if not isinstance(record, dict):
+            raise FormatError(f"{where}: metadata 'anndata' must be an object")
+        layers = record.get("layers") or {}
+        raw = record.get("raw")
+        elements = record.get("elements") or []
+        if not isinstance(layers, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and (v == "." or _STORED_MATRIX.fullmatch(v))
+            and v != "raw" for k, v in layers.items()
+        ):  # fmt: skip
+            raise FormatError(f"{where}: metadata 'anndata' has a malformed layer location")
+        if raw is not None and raw not in (".", "raw"):
+            raise FormatError(f"{where}: metadata 'anndata' has raw location {raw!r}")
+        if not isinstance(elements, list) or not all(e in _ELEMENT_NAMES for e in elements):
+            raise FormatError(f"{where}: metadata 'anndata' lists unknown elements")
+        return cls(dict(layers), raw, tuple(elements))
+
+    @property
+    def matrices(self) -> list[str]:
+        """Locations of the stored count matrices (datasets of their own)."""
+        out = [v for v in self.layers.values() if v != "."]
+        return out + ([self.raw] if self.raw not in (None, ".") else [])

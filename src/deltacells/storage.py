@@ -517,6 +517,19 @@ class Store:
         if self.is_local:
             self._root.mkdir(parents=True, exist_ok=True)
 
+    def child(self, name: str) -> Store:
+        """A store for the folder or prefix ``name`` inside this one (same options)."""
+        options = {"retries": self.retries, "backoff": self.backoff,
+                   "io_threads": self.io_threads, "timeout": self.timeout,
+                   "deadline": self.deadline,
+                   "follow_external_links": self.follow_external_links}  # fmt: skip
+        if self.is_local:
+            child = Store(self._root / name, **options)
+            # Links inside the dataset are judged against the dataset's root, not the child's.
+            child._real_root = self._real_root or os.path.realpath(self._root)
+            return child
+        return Store(self.describe(name), self.storage_options, **options)
+
     # -- replacing a dataset -----------------------------------------------------------------------
 
     def staging_sibling(self) -> Store:

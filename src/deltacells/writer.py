@@ -251,7 +251,9 @@ def _part_from_path(path: Path, layer: str | None, use_raw: bool) -> _Part:
         closers = [group.close]
     try:
         if use_raw:
-            if "raw" not in group:
+            from deltacells._extras import has_raw
+
+            if not has_raw(group):
                 raise ValueError(f"{path}: use_raw=True but the file has no raw")
             elem, var = group["raw"]["X"], ad.io.read_elem(group["raw"]["var"])
         elif layer is not None:
@@ -544,11 +546,13 @@ def _progress_factory(progress: bool) -> Callable:
 #: Names a dataset written by this package may hold (FORMAT.md's layout plus the writer's
 #: own files and the temporary files of an interrupted atomic write).
 _OWN_FILE = re.compile(
+    r"((layers/[^/]+|raw)/)?"  # count layers and raw are datasets of their own
     r"(manifest\.json|gene_order\.npy|var_names\.txt|var\.parquet|cell_order\.npy"
     r"|obs/schema\.json|tiles/tile_\d{6}\.dct|obs/obs_\d{4}\.parquet"
     r"|((tiles|obs)/)?\.[^/]+\.tmp)"
+    r"|anndata\.zarr/.+"  # anndata's element IO
 )
-_OWN_DIRS = ("tiles", "obs")
+_OWN_DIRS = re.compile(r"((layers/[^/]+|raw)/)?(tiles|obs)|layers(/[^/]+)?|raw|anndata\.zarr(/.+)?")
 
 
 def _check_target(store: Store, overwrite: bool) -> bool:
@@ -571,7 +575,7 @@ def _check_target(store: Store, overwrite: bool) -> bool:
         name
         for name, kind in entries
         if not ((kind == "file" and _OWN_FILE.fullmatch(name)) or
-                (kind == "dir" and name in _OWN_DIRS))
+                (kind == "dir" and _OWN_DIRS.fullmatch(name)))
     ]  # fmt: skip
     if foreign:
         shown = ", ".join(repr(n) for n in foreign[:3]) + (" ..." if len(foreign) > 3 else "")
@@ -620,8 +624,9 @@ def write_deltacells(
     storage_options: dict | None = None,
     metadata: dict | None = None,
     cache_bytes: int = 2**28,
+    elements: bool = True,
 ) -> Manifest:
-    """Write counts (and obs, var) as a deltacells dataset.
+    """Write an AnnData (counts, obs, var and the rest) as a deltacells dataset.
 
     Parameters
     ----------
@@ -681,6 +686,12 @@ def write_deltacells(
         Input read from files is checked in a first pass and encoded in a second; up to this
         many bytes of checked blocks are kept between the passes so that small inputs are read
         once. Larger inputs are read twice and memory stays bounded by a few tiles.
+    elements
+        Also store the rest of a single input: layers and raw whose values are counts as
+        deltacells matrices of their own (``layers/<name>/``, ``raw/``; sliced lazily like
+        X), other layers and obsm, varm, obsp, varp and uns with anndata's element IO in the
+        ``anndata.zarr`` group. Per-cell elements follow the stored cell order. Lists of
+        inputs store X, obs and var only (with a warning if the inputs have more).
 
     Returns
     -------
@@ -760,7 +771,11 @@ def write_deltacells(
                 n_threads=n_threads, n_workers=n_workers, obs=obs, var=var, shuffle=shuffle,
                 seed=seed, use_raw=use_raw, layer=layer, join=join, metadata=metadata,
                 obs_tiles_per_file=obs_tiles_per_file,
+                source=sources[0] if elements and len(sources) == 1 else None,
+                storage_options=storage_options,
             )  # fmt: skip
+            if elements and len(sources) > 1:
+                _warn_if_dropped(sources)
             manifest = _write_dataset(store, parts, plan, obs_plan, settings, progress_bar, cache)
             if replacing:
                 _check_target(target, overwrite)  # still only a dataset of ours
@@ -793,6 +808,8 @@ class _Settings:
     join: str
     metadata: dict | None
     obs_tiles_per_file: int
+    source: Any = None  # the single input whose other elements are stored too
+    storage_options: dict | None = None
 
 
 def _write_dataset(
@@ -829,8 +846,18 @@ def _write_dataset(
         obs_fields = _write_obs(
             store, obs_plan, plan, tile_size, tile_cells, obs_tiles_per_file
         )
+    extras = None
+    if settings.source is not None:
+        from deltacells._extras import write_extras
+
+        options = {"tile_size": tile_size, "n_chunks": n_chunks, "zstd_level": zstd_level,
+                   "n_threads": settings.n_threads, "shuffle": shuffle, "seed": seed,
+                   "storage_options": settings.storage_options}  # fmt: skip
+        extras = write_extras(store, settings.source, layer=layer, use_raw=use_raw,
+                              gene_order=order, cell_order=cell_order, options=options)  # fmt: skip
     meta = {
         "writer": f"deltacells {_package_version()}",
+        "anndata": extras,
         "obs_index_column": OBS_INDEX_COLUMN if obs else None,
         # What verify holds the index column to (AnnData allows repeated obs_names).
         "obs_names_unique": bool(plan.obs_names_unique) if obs else None,
@@ -859,6 +886,26 @@ def _write_dataset(
     )
     store.write_atomic(MANIFEST_NAME, manifest.to_json_text().encode("utf-8"))
     return manifest
+
+
+def _warn_if_dropped(sources: list) -> None:
+    """Lists of inputs keep X, obs and var: say so when an in-memory input has more."""
+    import warnings
+
+    from deltacells.elements import ELEMENTS, ElementsWarning
+
+    for item in sources:
+        if isinstance(item, ad.AnnData):
+            extra = [n for n in (*ELEMENTS, "layers") if len(getattr(item, n))]
+            extra += ["raw"] if item.raw is not None else []
+            if extra:
+                warnings.warn(
+                    f"writing a list of inputs keeps X, obs and var only; {', '.join(extra)} "
+                    "are left out (write each input on its own to keep them)",
+                    ElementsWarning,
+                    stacklevel=3,
+                )
+                return
 
 
 def _package_version() -> str:

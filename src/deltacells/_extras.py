@@ -1,0 +1,146 @@
+"""Writing the parts of an AnnData besides X, obs and var (called by the writer).
+
+Count layers and raw become deltacells datasets of their own under ``layers/<name>/`` and
+``raw/`` (same codec, tiles and cell order as X; layers share X's gene order and var), so they
+are sliced lazily like X. Layers that are not counts, and obsm, varm, obsp, varp and uns, go to
+the ``anndata.zarr`` group through anndata's element IO (:mod:`deltacells.elements`).
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+import warnings
+from pathlib import Path
+from typing import Any
+
+import anndata as ad
+import numpy as np
+
+from deltacells.codec import CountError
+from deltacells.elements import ELEMENTS, ElementsWarning, write_elements
+from deltacells.storage import Store
+
+__all__ = ["LAYERS_DIR", "RAW_DIR", "has_raw", "layer_dir", "write_extras"]
+
+LAYERS_DIR = "layers"
+RAW_DIR = "raw"
+
+
+def layer_dir(name: str) -> str:
+    """Where count layer ``name`` is stored inside a dataset (the name URL-quoted)."""
+    return f"{LAYERS_DIR}/{urllib.parse.quote(name, safe='')}"
+
+
+def _child(store: Store, name: str) -> str:
+    """Path or URL of ``name`` inside ``store``, for a nested write."""
+    return store.describe(name)
+
+
+class _Source:
+    """Element access to one input: an AnnData, or an .h5ad / .zarr file opened for reading."""
+
+    def __init__(self, source: Any) -> None:
+        self.adata = source if isinstance(source, ad.AnnData) else None
+        self._group: Any = None
+        self._close = None
+        if self.adata is None:
+            path = Path(os.fspath(source))
+            if path.suffix == ".zarr" or path.is_dir():
+                import zarr
+
+                self._group = zarr.open_group(str(path), mode="r")
+            else:
+                import h5py
+
+                self._group = h5py.File(path, "r")
+                self._close = self._group.close
+
+    def close(self) -> None:
+        if self._close is not None:
+            self._close()
+
+    def element(self, name: str) -> dict:
+        if self.adata is not None:
+            return dict(getattr(self.adata, name))
+        if name not in self._group:
+            return {}
+        return dict(ad.io.read_elem(self._group[name]))
+
+    def layer_names(self) -> list[str]:
+        if self.adata is not None:
+            return list(self.adata.layers)
+        return list(self._group["layers"]) if "layers" in self._group else []
+
+    def layer(self, name: str) -> Any:
+        if self.adata is not None:
+            return self.adata.layers[name]
+        return ad.io.read_elem(self._group["layers"][name])
+
+    def has_raw(self) -> bool:
+        if self.adata is not None:
+            return self.adata.raw is not None
+        return has_raw(self._group)
+
+
+def has_raw(group: Any) -> bool:
+    """Whether a file's group holds raw (anndata writes an empty placeholder array to zarr
+    when there is none)."""
+    return "raw" in group and hasattr(group["raw"], "keys") and "X" in group["raw"]
+
+
+def write_extras(
+    store: Store,
+    source: Any,
+    *,
+    layer: str | None,
+    use_raw: bool,
+    gene_order: np.ndarray | None,
+    cell_order: np.ndarray | None,
+    options: dict,
+) -> dict:
+    """Write layers, raw and the other elements of ``source`` into ``store``; return what the
+    manifest's ``metadata["anndata"]`` records of them.
+
+    ``options`` are :func:`~deltacells.write_deltacells` settings shared by the nested
+    datasets (tile size, chunks, level, threads, shuffle and seed, storage options).
+    """
+    from deltacells.writer import write_deltacells
+
+    src = _Source(source)
+    try:
+        record: dict[str, Any] = {"layers": {}, "raw": None, "elements": []}
+        elements: dict[str, Any] = {name: src.element(name) for name in ELEMENTS}
+        other_layers: dict[str, Any] = {}
+        nested = dict(options, obs=False, progress=False, overwrite=False, elements=False)
+        order = "none" if gene_order is None else gene_order
+        for name in src.layer_names():
+            if name == layer and not use_raw:
+                record["layers"][name] = "."  # X itself
+                continue
+            try:
+                write_deltacells(source, _child(store, layer_dir(name)), layer=name, var=False,
+                                 gene_order=order, **nested)  # fmt: skip
+                record["layers"][name] = layer_dir(name)
+            except (CountError, ValueError):
+                # Not counts (e.g. normalised values): anndata's encoding, compressed.
+                other_layers[name] = src.layer(name)
+        if src.has_raw():
+            if use_raw:
+                record["raw"] = "."
+            else:
+                try:
+                    write_deltacells(source, _child(store, RAW_DIR), use_raw=True,
+                                     **nested)  # fmt: skip
+                    record["raw"] = RAW_DIR
+                except (CountError, ValueError) as err:
+                    warnings.warn(f"raw is left out: its X is not counts ({err})",
+                                  ElementsWarning, stacklevel=3)  # fmt: skip
+        if use_raw and src.adata is not None and src.adata.X is not None:
+            warnings.warn("X is left out: with use_raw=True the dataset's X is raw.X",
+                          ElementsWarning, stacklevel=3)  # fmt: skip
+        elements["layers"] = other_layers
+        record["elements"] = write_elements(store, elements, cell_order)
+        return record
+    finally:
+        src.close()

@@ -1,0 +1,183 @@
+"""The whole AnnData round trip: layers, raw, obsm, varm, obsp, varp and uns are stored and
+read back equal, lazily and in memory, in source and in shuffled cell order."""
+
+from __future__ import annotations
+
+import warnings
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+from test_writer import small_adata
+
+import deltacells as dc
+from deltacells.elements import ElementsWarning
+
+
+def assert_equal(actual, expected) -> None:
+    """Element-by-element equality of what AnnData holds (arrays, sparse, frames, nested
+    dicts, strings and numbers)."""
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict) and set(actual) == set(expected), (actual, expected)
+        for key in expected:
+            assert_equal(actual[key], expected[key])
+    elif isinstance(expected, pd.DataFrame):
+        pd.testing.assert_frame_equal(actual, expected)
+    elif sp.issparse(expected):
+        assert actual.shape == expected.shape and (sp.csr_matrix(actual) != expected).nnz == 0
+    elif isinstance(expected, np.ndarray):
+        np.testing.assert_array_equal(np.asarray(actual).astype(expected.dtype), expected)
+        assert np.asarray(actual).dtype.kind == expected.dtype.kind or expected.dtype == object
+    else:
+        assert actual == expected, (actual, expected)
+
+
+def processed(n_cells: int = 300, seed: int = 0) -> ad.AnnData:
+    """What a scanpy user has after preprocessing: counts layer, normalised X-like layer,
+    raw, embeddings, spatial coordinates, loadings, graphs and nested uns."""
+    rng = np.random.default_rng(seed)
+    a = small_adata(n_cells=n_cells, seed=seed)
+    a.layers["counts"] = a.X.copy()
+    a.layers["lognorm"] = sp.csr_matrix(np.log1p(a.X.toarray() / 3.0).astype(np.float32))
+    a.raw = a.copy()
+    a.obsm["X_pca"] = rng.random((n_cells, 10)).astype(np.float32)
+    a.obsm["X_umap"] = rng.random((n_cells, 2))
+    a.obsm["spatial"] = rng.random((n_cells, 2)) * 1000
+    a.obsm["frame"] = pd.DataFrame({"u": rng.random(n_cells)}, index=a.obs_names)
+    a.varm["PCs"] = rng.random((a.n_vars, 10))
+    a.obsp["connectivities"] = sp.random(n_cells, n_cells, density=0.02, format="csr",
+                                         random_state=rng)  # fmt: skip
+    a.obsp["distances"] = sp.random(n_cells, n_cells, density=0.02, format="csr",
+                                    random_state=rng)  # fmt: skip
+    a.varp["corr"] = sp.random(a.n_vars, a.n_vars, density=0.05, format="csr", random_state=rng)
+    a.uns["neighbors"] = {"params": {"n_neighbors": 15, "method": "umap"},
+                          "connectivities_key": "connectivities"}  # fmt: skip
+    a.uns["cell_type_colors"] = np.array(["#1f77b4", "#ff7f0e"], dtype=object)
+    a.uns["pca"] = {"variance_ratio": rng.random(10), "variance": rng.random(10)}
+    a.uns["title"] = "processed"
+    return a
+
+
+def in_stored_order(source: ad.AnnData, back: ad.AnnData) -> ad.AnnData:
+    """``source`` with its cells in ``back``'s order (the order a shuffled dataset stores)."""
+    position = pd.Series(np.arange(source.n_obs), index=source.obs_names)
+    return source[position[back.obs_names].to_numpy()].copy()
+
+
+def assert_round_trip(source: ad.AnnData, back: ad.AnnData) -> None:
+    expected = in_stored_order(source, back)
+    memory = back.to_memory()
+    assert (sp.csr_matrix(memory.X) != expected.X).nnz == 0
+    assert (sp.csr_matrix(memory.layers["counts"]) != expected.layers["counts"]).nnz == 0
+    np.testing.assert_array_equal(memory.layers["lognorm"].toarray(),
+                                  expected.layers["lognorm"].toarray())  # fmt: skip
+    assert (sp.csr_matrix(back.raw.X.to_memory()) != expected.raw.X).nnz == 0
+    pd.testing.assert_index_equal(back.raw.var_names, expected.raw.var_names)
+    for key in expected.obsm:
+        assert_equal(memory.obsm[key], expected.obsm[key])
+    for key in expected.obsp:
+        assert (memory.obsp[key] != expected.obsp[key]).nnz == 0
+    assert_equal(memory.varm["PCs"], expected.varm["PCs"])
+    assert (memory.varp["corr"] != expected.varp["corr"]).nnz == 0
+    assert_equal(dict(memory.uns), dict(expected.uns))
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_processed_anndata_round_trips(tmp_path, shuffle):
+    source = processed()
+    dc.write_deltacells(source, tmp_path / "d", tile_size=64, shuffle=shuffle, progress=False)
+    back = dc.read_deltacells(tmp_path / "d", cache_dir=tmp_path / "cache")
+    assert isinstance(back.layers["counts"], dc.DeltacellsCSRDataset)
+    assert isinstance(back.raw.X, dc.DeltacellsCSRDataset)
+    assert_round_trip(source, back)
+    dc.open_dataset(tmp_path / "d").verify()
+
+
+def test_from_an_h5ad_file_and_lazily(tmp_path):
+    source = processed(seed=1)
+    source.write_h5ad(tmp_path / "in.h5ad")
+    dc.write_deltacells(tmp_path / "in.h5ad", tmp_path / "d", tile_size=64, progress=False)
+    back = dc.read_deltacells(tmp_path / "d", elements="lazy", cache_dir=tmp_path / "cache")
+    import dask.array as da
+
+    assert isinstance(back.obsm["X_umap"], da.Array)
+    np.testing.assert_array_equal(back.obsm["X_umap"].compute(), source.obsm["X_umap"])
+    np.testing.assert_array_equal(np.asarray(back.layers["lognorm"].compute().toarray()),
+                                  source.layers["lognorm"].toarray())  # fmt: skip
+    assert_equal(dict(back.uns), dict(source.uns))
+    eager = dc.read_deltacells(tmp_path / "d", cache_dir=tmp_path / "cache")
+    assert_round_trip(source, eager)
+
+
+def test_counts_layer_that_is_x_is_stored_once(tmp_path):
+    source = processed(seed=2)
+    source.X = source.layers["lognorm"].copy()  # X normalised, counts in a layer
+    dc.write_deltacells(source, tmp_path / "d", layer="counts", progress=False)
+    record = dc.open_dataset(tmp_path / "d").manifest.metadata["anndata"]
+    assert record["layers"]["counts"] == "."
+    back = dc.read_deltacells(tmp_path / "d")
+    assert back.layers["counts"] is back.X
+    assert (back.X.to_memory() != source.layers["counts"]).nnz == 0
+
+
+def test_stored_column_order_keeps_varm_with_var(tmp_path):
+    source = processed(seed=3)
+    dc.write_deltacells(source, tmp_path / "d", progress=False)
+    back = dc.read_deltacells(tmp_path / "d", column_order="stored")
+    position = pd.Series(np.arange(source.n_vars), index=source.var_names)
+    rows = position[back.var_names].to_numpy()
+    np.testing.assert_array_equal(back.varm["PCs"], source.varm["PCs"][rows])
+    assert (back.varp["corr"] != source.varp["corr"][rows][:, rows]).nnz == 0
+    assert (back.layers["counts"].to_memory() != source.layers["counts"][:, rows]).nnz == 0
+
+
+def test_elements_can_be_skipped_and_lists_warn(tmp_path):
+    source = processed(seed=4)
+    dc.write_deltacells(source, tmp_path / "d", progress=False)
+    bare = dc.read_deltacells(tmp_path / "d", elements=False)
+    assert not bare.obsm and not bare.uns and "counts" in bare.layers
+    with pytest.warns(ElementsWarning, match="keeps X, obs and var only; obsm"):
+        dc.write_deltacells([source, source], tmp_path / "atlas", progress=False)
+    dc.write_deltacells(source, tmp_path / "plain", elements=False, progress=False)
+    assert dc.open_dataset(tmp_path / "plain").manifest.metadata["anndata"] is None
+
+
+def test_overwrite_accepts_a_dataset_with_stored_parts(tmp_path):
+    dc.write_deltacells(processed(seed=5), tmp_path / "d", progress=False)
+    newer = processed(n_cells=120, seed=6)
+    dc.write_deltacells(newer, tmp_path / "d", overwrite=True, progress=False)
+    assert_round_trip(newer, dc.read_deltacells(tmp_path / "d"))
+
+
+def test_verify_checks_layers_and_elements(tmp_path):
+    dc.write_deltacells(processed(seed=7), tmp_path / "d", tile_size=100, progress=False)
+    tile = tmp_path / "d" / "layers" / "counts" / "tiles" / "tile_000001.dct"
+    data = bytearray(tile.read_bytes())
+    data[-5] ^= 0x10
+    tile.write_bytes(bytes(data))
+    with pytest.raises(dc.FormatError, match=r"layers/counts/tiles/tile_000001\.dct: CRC-32"):
+        dc.open_dataset(tmp_path / "d").verify()
+
+
+def test_a_layer_location_outside_the_dataset_is_refused(tmp_path):
+    import json
+
+    dc.write_deltacells(processed(seed=8), tmp_path / "d", progress=False)
+    path = tmp_path / "d" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["metadata"]["anndata"]["layers"]["counts"] = "../elsewhere"
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(dc.FormatError, match="malformed layer location"):
+        dc.read_deltacells(tmp_path / "d")
+
+
+def test_object_store_round_trip():
+    source = processed(seed=9)
+    url = "memory://whole/d"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ElementsWarning)
+        dc.write_deltacells(source, url, tile_size=64, progress=False)
+    assert_round_trip(source, dc.read_deltacells(url))
+    dc.open_dataset(url).verify()
