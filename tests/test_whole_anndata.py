@@ -181,3 +181,77 @@ def test_object_store_round_trip():
         dc.write_deltacells(source, url, tile_size=64, progress=False)
     assert_round_trip(source, dc.read_deltacells(url))
     dc.open_dataset(url).verify()
+
+
+def every_obs_dtype(n: int = 200) -> pd.DataFrame:
+    rng = np.random.default_rng(0)
+    frame = pd.DataFrame(
+        {
+            "ordered": pd.Categorical(rng.choice(["lo", "mid", "hi"], n),
+                                      categories=["lo", "mid", "hi"], ordered=True),
+            "plain_cat": pd.Categorical(rng.choice(["a", "b", None], n)),
+            "int_cat": pd.Categorical(rng.choice([3, 1, 2], n)),
+            "nullable_int": pd.array(np.where(rng.random(n) < 0.2, None,
+                                              rng.integers(0, 9, n)), dtype="Int64"),
+            "nullable_uint": pd.array(rng.integers(0, 9, n), dtype="UInt8"),
+            "nullable_bool": pd.array(np.where(rng.random(n) < 0.2, None, rng.random(n) < 0.5),
+                                      dtype="boolean"),
+            "nullable_float": pd.array(np.where(rng.random(n) < 0.2, None, rng.random(n)),
+                                       dtype="Float64"),
+            "string": pd.array(rng.choice(["x", "y", None], n), dtype="string"),
+            "object_strings": rng.choice(["u", "v"], n).astype(object),
+            "float32": rng.random(n).astype(np.float32),
+            "float64_nan": np.where(rng.random(n) < 0.1, np.nan, rng.random(n)),
+            "int8": rng.integers(-5, 5, n).astype(np.int8),
+            "uint16": rng.integers(0, 5, n).astype(np.uint16),
+            "bool": rng.random(n) < 0.5,
+            "barcodes": [f"BC{i:05d}" for i in range(n)],
+        },
+        index=[f"c{i}" for i in range(n)],
+    )  # fmt: skip
+    frame[7] = rng.random(n)
+    frame[2.5] = rng.integers(0, 3, n)
+    return frame
+
+
+@pytest.mark.parametrize("max_categories", [20_000, 10])
+def test_every_obs_dtype_and_name_round_trips(tmp_path, max_categories):
+    obs = every_obs_dtype()
+    X = sp.random(len(obs), 30, density=0.2, format="csr", random_state=0)
+    X.data = np.ceil(X.data * 10)
+    source = ad.AnnData(X=X, obs=obs)
+    dc.write_deltacells(source, tmp_path / "d", max_categories=max_categories, progress=False)
+    back = dc.read_deltacells(tmp_path / "d", cache_dir=tmp_path / "cache")
+    assert list(back.obs.columns) == list(obs.columns)
+    for column in obs.columns:
+        pd.testing.assert_series_equal(back.obs[column], obs[column], check_names=False)
+    subset = dc.read_deltacells(tmp_path / "d", obs=["ordered", "nullable_int"],
+                                cache_dir=tmp_path / "cache")  # fmt: skip
+    assert subset.obs["ordered"].cat.ordered
+    assert str(subset.obs["nullable_int"].dtype) == "Int64"
+
+
+def test_hostile_dtype_records_are_refused(tmp_path):
+    import json
+
+    source = ad.AnnData(X=sp.csr_matrix(np.ones((4, 3))), obs=every_obs_dtype(4))
+    dc.write_deltacells(source, tmp_path / "d", progress=False)
+    path = tmp_path / "d" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["metadata"]["obs_pandas"]["bool"] = {"dtype": "datetime64[ns]"}
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(dc.FormatError, match="recorded dtype 'datetime64"):
+        dc.read_deltacells(tmp_path / "d", cache_dir=tmp_path / "cache")
+
+
+def test_convert_says_what_it_kept(tmp_path, capsys):
+    from deltacells.cli import main
+
+    processed(seed=12).write_h5ad(tmp_path / "in.h5ad")
+    assert main(["convert", str(tmp_path / "in.h5ad"), str(tmp_path / "d"), "--quiet"]) == 0
+    assert main(["convert", str(tmp_path / "in.h5ad"), str(tmp_path / "d"), "--overwrite"]) == 0
+    out = capsys.readouterr().out
+    assert "layers stored as count matrices: counts" in out
+    assert "raw: stored as a count matrix" in out
+    assert "obsm: stored with anndata's element IO" in out
+    assert "layers that are not counts: stored" in out

@@ -19,6 +19,7 @@ from deltacells.codec import Tile, _value_dtype, empty_output
 from deltacells.dataset import Dataset, gather_cells, group_by_tile, open_dataset
 from deltacells.format import FormatError
 from deltacells.manifest import MANIFEST_NAME, StoredParts, tile_name
+from deltacells.obs_dtypes import restore_dtypes
 from deltacells.obscache import ObsCache
 
 __all__ = ["DeltacellsCSRDataset", "read_deltacells"]
@@ -480,7 +481,8 @@ def _obs(dataset: Dataset, obs: bool | Sequence[str], cache_dir) -> pd.DataFrame
         frame.index = _default_obs_names(dataset)
     if len(frame) != n_cells:  # no columns asked for: an empty frame of the right length
         frame = pd.DataFrame(index=frame.index)
-    return frame
+    record = dataset.manifest.metadata.get("obs_pandas")
+    return restore_dtypes(frame, record, dataset.store.describe(MANIFEST_NAME))
 
 
 def _default_obs_names(dataset: Dataset) -> pd.Index:

@@ -17,8 +17,51 @@ __all__ = ["main"]
 
 
 def _convert(args: argparse.Namespace) -> int:
+    import warnings
+
     sources = args.src if len(args.src) > 1 else args.src[0]
-    manifest = write_deltacells(
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manifest = _write(args, sources)
+    for warning in caught:  # what could not be kept, once each
+        if issubclass(warning.category, UserWarning):
+            print(f"deltacells convert: note: {warning.message}", file=sys.stderr)
+    if not args.quiet:
+        size = sum(manifest.tile_bytes)
+        per_nnz = size / manifest.nnz if manifest.nnz else 0.0
+        print(
+            f"wrote {args.dst}: {manifest.n_cells} cells x {manifest.n_genes} genes in "
+            f"{manifest.n_tiles} tiles, {size / 1e6:.1f} MB ({per_nnz:.3f} bytes/nonzero)"
+        )
+        for line in _kept(manifest):
+            print(f"  {line}")
+    return 0
+
+
+def _kept(manifest) -> list[str]:
+    """What the dataset holds besides X, one line per part."""
+    meta = manifest.metadata
+    lines = []
+    if manifest.has_obs:
+        changed = [c for c, e in (meta.get("obs_pandas") or {}).items() if "dtype" in e]
+        lines.append(f"obs: kept, {len(changed)} columns with their exact pandas dtypes")
+    record = meta.get("anndata") or {}
+    layers = record.get("layers") or {}
+    counts = [n for n, where in layers.items() if where != "."]
+    same = [n for n, where in layers.items() if where == "."]
+    if counts or same:
+        lines.append("layers stored as count matrices: " + ", ".join(counts + [
+            f"{n} (= X)" for n in same]))  # fmt: skip
+    if record.get("raw"):
+        lines.append("raw: stored as a count matrix" if record["raw"] == "raw" else "raw: is X")
+    for name in record.get("elements") or []:
+        what = "layers that are not counts" if name == "layers" else name
+        lines.append(f"{what}: stored with anndata's element IO (anndata.zarr)")
+    return lines
+
+
+def _write(args: argparse.Namespace, sources):
+    return write_deltacells(
         sources,
         args.dst,
         tile_size=args.tile_size,
@@ -38,14 +81,6 @@ def _convert(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=not args.quiet,
     )
-    if not args.quiet:
-        size = sum(manifest.tile_bytes)
-        per_nnz = size / manifest.nnz if manifest.nnz else 0.0
-        print(
-            f"wrote {args.dst}: {manifest.n_cells} cells x {manifest.n_genes} genes in "
-            f"{manifest.n_tiles} tiles, {size / 1e6:.1f} MB ({per_nnz:.3f} bytes/nonzero)"
-        )
-    return 0
 
 
 def _info(args: argparse.Namespace) -> int:

@@ -353,15 +353,15 @@ def _read_everything(root: Path, cache_dir: Path) -> None:
 def _mutate_json(obj, rng: np.random.Generator):
     """A copy of a JSON object with one value replaced, a key removed or a list changed."""
     out = json.loads(json.dumps(obj))
-    target, key = out, None
-    for _ in range(3):  # walk down a little
-        keys = list(target) if isinstance(target, dict) else list(range(len(target)))
+    node, target, key = out, None, None
+    for _ in range(4):  # walk down a little: ``target[key]`` is what gets changed
+        keys = list(node) if isinstance(node, dict) else list(range(len(node)))
         if not keys:
             break
-        key = keys[int(rng.integers(len(keys)))]
-        if not isinstance(target[key], dict | list) or rng.random() < 0.4:
+        target, key = node, keys[int(rng.integers(len(keys)))]
+        if not isinstance(node[key], dict | list) or rng.random() < 0.4:
             break
-        target = target[key]
+        node = node[key]
     if key is None:
         return out
     action = int(rng.integers(4))

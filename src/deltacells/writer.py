@@ -44,6 +44,7 @@ from deltacells.manifest import (
     obs_shard_name,
     tile_name,
 )
+from deltacells.obs_dtypes import pandas_record
 from deltacells.storage import Store, open_store
 
 __all__ = ["DEFAULT_TILE_SIZE", "OBS_INDEX_COLUMN", "write_deltacells"]
@@ -436,6 +437,7 @@ class _Plan:
     cell_order: np.ndarray | None
     offsets: np.ndarray
     obs_names_unique: bool = True
+    obs_pandas: dict | None = None
 
 
 def _remap_columns(block: sp.csr_matrix, col_map: np.ndarray, n_genes: int) -> sp.csr_matrix:
@@ -755,6 +757,7 @@ def write_deltacells(
             cell_order=cell_order,
             offsets=np.concatenate([[0], np.cumsum([p.n_obs for p in parts])]).astype(np.int64),
             obs_names_unique=obs_frame is None or bool(obs_frame.index.astype(str).is_unique),
+            obs_pandas=None if obs_frame is None else pandas_record(obs_frame),
         )
 
         # A dataset already there is replaced only at the end: the new one is written beside
@@ -861,6 +864,8 @@ def _write_dataset(
         "obs_index_column": OBS_INDEX_COLUMN if obs else None,
         # What verify holds the index column to (AnnData allows repeated obs_names).
         "obs_names_unique": bool(plan.obs_names_unique) if obs else None,
+        # Exact pandas dtypes and non-string names (deltacells.obs_dtypes).
+        "obs_pandas": plan.obs_pandas if obs else None,
         "sources": [p.label for p in parts],
         "layer": "raw" if use_raw else layer,
         "join": join if len(parts) > 1 else None,
