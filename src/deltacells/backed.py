@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anndata as ad
@@ -265,6 +265,76 @@ class DeltacellsCSRDataset(CSRDataset):
             return da.from_array(meta, chunks=meta.shape, meta=meta)
         return da.concatenate(blocks, axis=0)
 
+    # -- what AnnData and numpy-style code ask of a matrix -----------------------------------
+
+    ndim = 2
+
+    def copy(self) -> DeltacellsCSRDataset:
+        """A lazy copy (``AnnData.copy()`` keeps X lazy): the stored data never changes, so
+        the copy shares the opened dataset and starts with an empty tile cache."""
+        return DeltacellsCSRDataset(self.dataset, column_order=self.column_order,
+                                    values_dtype=self.dtype, n_threads=self.n_threads,
+                                    tile_cache_bytes=self.tile_cache_bytes)  # fmt: skip
+
+    def _tile_reduce(self, per_tile: Callable[[sp.csr_matrix], np.ndarray]) -> list:
+        return [per_tile(self.tile_matrix(t)) for t in range(self.dataset.manifest.n_tiles)]
+
+    def sum(self, axis: int | None = None, dtype: DTypeLike = None, out: Any = None) -> Any:
+        """Sum over all values (``axis=None``), per gene (``0``) or per cell (``1``), computed
+        tile by tile in bounded memory. Results are shaped as scipy's ``csr_matrix.sum``:
+        a scalar or an ``np.matrix`` of one row or column (written into ``out`` if given, as
+        ``numpy.sum`` asks)."""
+        result = self._sum(axis, dtype)
+        if out is None:
+            return result
+        out[...] = np.asarray(result).reshape(np.shape(out))
+        return out
+
+    def _sum(self, axis: int | None, dtype: DTypeLike) -> Any:
+        if axis not in (None, 0, 1, -1, -2):
+            raise ValueError(f"axis must be None, 0 or 1, not {axis!r}")
+        out_dtype = np.dtype(dtype) if dtype is not None else (
+            np.dtype(np.int64) if self.dtype.kind == "i" else np.dtype(np.float64))  # fmt: skip
+        if axis is None:
+            return out_dtype.type(sum(self._tile_reduce(lambda m: m.data.sum(dtype=out_dtype))))
+        if axis in (0, -2):
+            total = np.zeros(self.shape[1], dtype=out_dtype)
+            for part in self._tile_reduce(lambda m: np.asarray(m.sum(axis=0, dtype=out_dtype))):
+                total += part.ravel()
+            return np.asmatrix(total)
+        parts = self._tile_reduce(lambda m: np.asarray(m.sum(axis=1, dtype=out_dtype)).ravel())
+        column = np.concatenate(parts) if parts else np.zeros(0, dtype=out_dtype)
+        return np.asmatrix(column).T
+
+    def mean(self, axis: int | None = None, dtype: DTypeLike = None, out: Any = None) -> Any:
+        """Mean over all values, per gene (``axis=0``) or per cell (``1``), zeros included,
+        shaped as scipy's ``csr_matrix.mean``."""
+        total = self._sum(axis, dtype if dtype is not None else np.float64)
+        count = {None: self.shape[0] * self.shape[1], 0: self.shape[0], -2: self.shape[0],
+                 1: self.shape[1], -1: self.shape[1]}[axis]  # fmt: skip
+        result = total / max(count, 1)
+        if out is None:
+            return result
+        out[...] = np.asarray(result).reshape(np.shape(out))
+        return out
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        raise TypeError(_LAZY_ADVICE.format(what="converting X to a numpy array"))
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes this class lacks: numpy and scipy methods scanpy and
+        # others call on an in-memory X. Say what to do instead of a confusing failure later.
+        if name.startswith("__") or name in ("dataset", "_cache", "_lock"):
+            raise AttributeError(name)
+        raise AttributeError(_LAZY_ADVICE.format(what=f"X.{name}"))
+
+    def _no_arithmetic(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(_LAZY_ADVICE.format(what="arithmetic or comparisons on X"))
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _no_arithmetic
+    __truediv__ = __rtruediv__ = __pow__ = __matmul__ = __rmatmul__ = _no_arithmetic
+    __gt__ = __ge__ = __lt__ = __le__ = _no_arithmetic
+
     def to_memory(self) -> sp.csr_matrix:
         """The whole matrix as one CSR, every tile decoded into one set of buffers."""
         m = self.dataset.manifest
@@ -305,19 +375,68 @@ class DeltacellsCSRDataset(CSRDataset):
         return matrix
 
 
+_LAZY_ADVICE = (
+    "deltacells: {what} needs the matrix in memory, but X is read lazily. Use "
+    "adata.to_memory() (or adata.X.to_memory()) first, or read_deltacells(..., dask=True) "
+    "for scanpy's out-of-core (dask) functions."
+)
+
+
+def write_lazy_csr(f: Any, key: str, elem: DeltacellsCSRDataset, *, _writer: Any = None,
+                   dataset_kwargs: Any = None) -> None:  # fmt: skip
+    """Write a lazy X as anndata's ``csr_matrix`` encoding into an h5py or zarr group, tile by
+    tile: memory holds one decoded tile, whatever the matrix size."""
+    import h5py
+
+    kwargs = dict(dataset_kwargs or {})
+    group = f.require_group(key)
+    group.attrs["shape"] = elem.shape
+    nnz = elem.nnz
+    columns = {"data": (nnz, elem.dtype), "indices": (nnz, np.dtype(np.int32)),
+               "indptr": (elem.shape[0] + 1, np.dtype(np.int64))}  # fmt: skip
+    if isinstance(group, h5py.Group):
+        arrays = {name: group.create_dataset(name, shape=(n,), dtype=dtype, **kwargs)
+                  for name, (n, dtype) in columns.items()}  # fmt: skip
+    else:
+        arrays = {name: group.create_array(name, shape=(n,), dtype=dtype, **kwargs)
+                  for name, (n, dtype) in columns.items()}  # fmt: skip
+    offset, row = 0, 0
+    arrays["indptr"][0:1] = np.zeros(1, dtype=np.int64)
+    for t in range(elem.dataset.manifest.n_tiles):
+        matrix = elem.tile_matrix(t)
+        end = offset + matrix.nnz
+        if matrix.nnz:
+            arrays["data"][offset:end] = matrix.data
+            arrays["indices"][offset:end] = matrix.indices
+        rows = matrix.shape[0]
+        arrays["indptr"][row + 1 : row + rows + 1] = matrix.indptr[1:] + offset
+        offset, row = end, row + rows
+
+
 def _register_with_anndata() -> None:
-    """Let ``AnnData.to_memory()`` materialize our X.
+    """Let anndata materialize and write our X.
 
     anndata dispatches ``to_memory`` on its own backed classes only (not on
-    ``anndata.abc.CSRDataset``), so an AnnData holding our X would keep it lazy. The dispatcher
-    is internal to anndata: if it moves, ``AnnData.to_memory()`` keeps X lazy and
+    ``anndata.abc.CSRDataset``), so an AnnData holding our X would keep it lazy, and its IO
+    registry has no writer for it. Both are internal to anndata: if they move,
+    ``AnnData.to_memory()`` keeps X lazy and ``write_h5ad`` refuses it, while
     ``adata.X.to_memory()`` still works.
     """
     try:
         from anndata._core.file_backing import to_memory
     except ImportError:  # pragma: no cover - anndata internals changed
+        pass
+    else:
+        to_memory.register(DeltacellsCSRDataset)(lambda x, *, copy=False: x.to_memory())
+    try:
+        import h5py
+        import zarr
+        from anndata._io.specs.registry import _REGISTRY, IOSpec
+    except ImportError:  # pragma: no cover - anndata internals changed
         return
-    to_memory.register(DeltacellsCSRDataset)(lambda x, *, copy=False: x.to_memory())
+    for group_type in (h5py.Group, zarr.Group):
+        _REGISTRY.register_write(group_type, DeltacellsCSRDataset,
+                                 IOSpec("csr_matrix", "0.1.0"))(write_lazy_csr)  # fmt: skip
 
 
 _register_with_anndata()

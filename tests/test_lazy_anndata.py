@@ -1,0 +1,153 @@
+"""The lazy AnnData with anndata and scanpy: copy, reductions, writing h5ad/zarr tile by tile,
+concat, and the documented outcome of each common scanpy call on each kind of X."""
+
+from __future__ import annotations
+
+import anndata as ad
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from test_whole_anndata import processed
+from test_writer import small_adata
+
+import deltacells as dc
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lazy") / "d"
+    source = processed(n_cells=250, seed=21)
+    dc.write_deltacells(source, root, tile_size=64, progress=False)
+    return root, source
+
+
+def test_copy_stays_lazy_and_equal(stored):
+    root, source = stored
+    lazy = dc.read_deltacells(root)
+    copied = lazy.copy()
+    assert isinstance(copied.X, dc.DeltacellsCSRDataset) and copied.X is not lazy.X
+    assert (copied.X.to_memory() != source.X).nnz == 0
+    assert (copied.layers["counts"].to_memory() != source.layers["counts"]).nnz == 0
+
+
+@pytest.mark.parametrize("values_dtype", [np.float32, np.int32])
+def test_sum_and_mean_match_scipy(stored, values_dtype):
+    root, source = stored
+    X = dc.read_deltacells(root, values_dtype=values_dtype, elements=False).X
+    expected = sp.csr_matrix(source.X, dtype=values_dtype)
+    for axis in (None, 0, 1):
+        np.testing.assert_allclose(np.asarray(X.sum(axis=axis)),
+                                   np.asarray(expected.sum(axis=axis)), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(X.mean(axis=axis)),
+                                   np.asarray(expected.mean(axis=axis)), rtol=1e-6)
+        assert np.shape(X.sum(axis=axis)) == np.shape(expected.sum(axis=axis))
+    np.testing.assert_allclose(np.asarray(np.sum(X, axis=1)),  # numpy passes out=
+                               np.asarray(expected.sum(axis=1)))
+    out = np.zeros((X.shape[0], 1))
+    assert X.sum(axis=1, out=out) is out
+
+
+def test_what_needs_memory_says_so(stored):
+    root, _ = stored
+    X = dc.read_deltacells(root, elements=False).X
+    with pytest.raises(TypeError, match=r"read lazily\. Use adata\.to_memory\(\)"):
+        np.asarray(X)
+    with pytest.raises(TypeError, match="dask=True"):
+        X > 0  # noqa: B015 - the comparison itself is what is tested
+    with pytest.raises(TypeError, match="dask=True"):
+        X * 2
+    with pytest.raises(AttributeError, match=r"X\.multiply needs the matrix in memory"):
+        X.multiply(2)
+
+
+@pytest.mark.parametrize("writer", ["write_h5ad", "write_zarr"])
+def test_write_h5ad_and_zarr_stream_tile_by_tile(stored, tmp_path, monkeypatch, writer):
+    root, source = stored
+    lazy = dc.read_deltacells(root)
+    expected = lazy.to_memory()
+
+    def no_whole_matrix(self):
+        raise AssertionError("the writer materialized the whole matrix")
+
+    monkeypatch.setattr(dc.DeltacellsCSRDataset, "to_memory", no_whole_matrix)
+    target = tmp_path / ("out.h5ad" if writer == "write_h5ad" else "out.zarr")
+    getattr(lazy, writer)(target)
+    back = ad.read_h5ad(target) if writer == "write_h5ad" else ad.read_zarr(target)
+    assert (back.X != expected.X).nnz == 0
+    assert (back.layers["counts"] != expected.layers["counts"]).nnz == 0
+    assert (back.raw.X != source.raw.X).nnz == 0
+    np.testing.assert_array_equal(back.obsm["X_umap"], expected.obsm["X_umap"])
+
+
+def test_concat(stored):
+    root, source = stored
+    lazy = dc.read_deltacells(root, elements=False)
+    with pytest.raises(TypeError, match="dask=True"):
+        ad.concat([lazy, lazy])
+    in_memory = ad.concat([lazy.to_memory(), lazy.to_memory()])
+    assert (in_memory.X != sp.vstack([source.X, source.X])).nnz == 0
+    dask = dc.read_deltacells(root, dask=True, elements=False)
+    both = ad.concat([dask, dask])
+    assert (sp.csr_matrix(both.X.compute()) != sp.vstack([source.X, source.X])).nnz == 0
+
+
+sc = pytest.importorskip("scanpy")
+
+#: The table in docs/stored.md: what each call does on the default lazy X.
+SCANPY_ON_LAZY_X = {
+    "calculate_qc_metrics": "advice",
+    "filter_cells": "works (the kept cells are loaded into memory)",
+    "filter_genes": "advice",
+    "normalize_total": "advice",
+    "log1p": "advice",
+    "highly_variable_genes": "advice",
+    "pca": "advice",
+}
+CALLS = {
+    "calculate_qc_metrics": lambda a: sc.pp.calculate_qc_metrics(a, percent_top=(10,),
+                                                                  inplace=True),
+    "filter_cells": lambda a: sc.pp.filter_cells(a, min_counts=10),
+    "filter_genes": lambda a: sc.pp.filter_genes(a, min_cells=3),
+    "normalize_total": lambda a: sc.pp.normalize_total(a, target_sum=1e4),
+    "log1p": lambda a: sc.pp.log1p(a),
+    "highly_variable_genes": lambda a: sc.pp.highly_variable_genes(a, n_top_genes=20),
+    "pca": lambda a: sc.pp.pca(a, n_comps=5),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    root = tmp_path_factory.mktemp("scanpy") / "d"
+    source = small_adata(n_cells=400)
+    source.var = source.var[[]]
+    dc.write_deltacells(source, root, tile_size=64, progress=False)
+    return root
+
+
+def _prepare(adata, name):
+    if name in ("highly_variable_genes", "pca"):  # these expect log-normalised values
+        sc.pp.normalize_total(adata)
+        sc.pp.log1p(adata)
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_scanpy_table(plain, name):
+    lazy = dc.read_deltacells(plain, elements=False)
+    if SCANPY_ON_LAZY_X[name] == "advice":
+        with pytest.raises((TypeError, AttributeError), match=r"read lazily.*dask=True"):
+            CALLS[name](lazy)
+    else:
+        CALLS[name](lazy)
+    dask = dc.read_deltacells(plain, dask=True, elements=False)
+    memory = dc.read_deltacells(plain, elements=False).to_memory()
+    for adata in (dask, memory):
+        if name not in ("highly_variable_genes", "pca"):
+            CALLS[name](adata)
+        else:
+            _prepare(adata, name)
+            CALLS[name](adata)
+    X_dask = dask.X.compute() if hasattr(dask.X, "compute") else dask.X
+    np.testing.assert_allclose(sp.csr_matrix(X_dask).toarray(),
+                               sp.csr_matrix(memory.X).toarray(), rtol=1e-5)  # fmt: skip
+    if name == "filter_cells":
+        assert lazy.n_obs == memory.n_obs
