@@ -46,8 +46,11 @@ def pandas_record(obs: pd.DataFrame) -> dict[str, dict]:
         name = _dtype_name(obs[column].dtype)
         if name is not None:
             entry["dtype"] = name
-        if isinstance(obs[column].dtype, pd.CategoricalDtype) and obs[column].cat.ordered:
-            entry["ordered"] = True
+        if isinstance(obs[column].dtype, pd.CategoricalDtype):
+            if obs[column].cat.ordered:
+                entry["ordered"] = True
+            if isinstance(obs[column].cat.categories.dtype, pd.StringDtype):
+                entry["categories"] = "string"  # what anndata reads string categories as
         if isinstance(column, bool | int | float | np.integer | np.floating):
             entry["name"] = column.item() if isinstance(column, np.generic) else column
         elif not isinstance(column, str):
@@ -84,6 +87,11 @@ def restore_dtypes(frame: pd.DataFrame, record: Any, where: str) -> pd.DataFrame
             raise FormatError(f"{where}: obs column {column!r} has recorded dtype {dtype!r}")
         try:
             frame[column] = _convert(frame[column], dtype, entry.get("ordered") is True)
+            if entry.get("categories") == "string" and dtype == "category":
+                series = frame[column]
+                frame[column] = series.cat.rename_categories(
+                    series.cat.categories.astype("string")
+                )
         except (TypeError, ValueError) as err:
             raise FormatError(
                 f"{where}: obs column {column!r} does not fit its recorded dtype {dtype} ({err})"
