@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import scipy.sparse as sp
-from test_writer import assert_same_matrix, read_back, small_adata
+from test_writer import assert_same_matrix, fail_third_tile, read_back, small_adata
 
 import deltacells as dc
 from deltacells import writer as writer_module
@@ -96,16 +96,7 @@ def test_target_is_checked_before_the_counts_are_read(tmp_path, monkeypatch):
 def test_failed_overwrite_leaves_the_old_dataset(old_dataset, monkeypatch):
     root, adata = old_dataset
     before = snapshot(root)
-    calls = {"n": 0}
-    real_encode = writer_module.encode_tile
-
-    def failing_encode(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("disk on fire")
-        return real_encode(*args, **kwargs)
-
-    monkeypatch.setattr(writer_module, "encode_tile", failing_encode)
+    fail_third_tile(monkeypatch)
     with pytest.raises(RuntimeError, match="disk on fire"):
         dc.write_deltacells(small_adata(seed=2), root, tile_size=50, overwrite=True,
                             progress=False)  # fmt: skip

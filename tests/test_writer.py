@@ -335,7 +335,8 @@ def test_overwrite_rules(tmp_path):
     assert (tmp_path / "other" / "notes.txt").exists()
 
 
-def test_interrupted_write_leaves_no_manifest(tmp_path, monkeypatch):
+def fail_third_tile(monkeypatch) -> None:
+    """Make the writer's third tile encoding raise ``RuntimeError("disk on fire")``."""
     calls = {"n": 0}
     real_encode = writer_module.encode_tile
 
@@ -346,6 +347,10 @@ def test_interrupted_write_leaves_no_manifest(tmp_path, monkeypatch):
         return real_encode(*args, **kwargs)
 
     monkeypatch.setattr(writer_module, "encode_tile", failing_encode)
+
+
+def test_interrupted_write_leaves_no_manifest(tmp_path, monkeypatch):
+    fail_third_tile(monkeypatch)
     with pytest.raises(RuntimeError, match="disk on fire"):
         dc.write_deltacells(small_adata(), tmp_path / "d", tile_size=50, progress=False)
     assert (tmp_path / "d" / "tiles" / "tile_000001.dct").exists()

@@ -183,16 +183,7 @@ class Store:
 
     def __getstate__(self) -> dict:
         # Pickles as its location and options; the other side reconnects lazily.
-        return {
-            "root": self.url,
-            "storage_options": self.storage_options,
-            "retries": self.retries,
-            "backoff": self.backoff,
-            "io_threads": self.io_threads,
-            "timeout": self.timeout,
-            "deadline": self.deadline,
-            "follow_external_links": self.follow_external_links,
-        }
+        return {"root": self.url, "storage_options": self.storage_options} | self._options()
 
     def __setstate__(self, state: dict) -> None:
         root = state.pop("root")
@@ -517,12 +508,15 @@ class Store:
         if self.is_local:
             self._root.mkdir(parents=True, exist_ok=True)
 
+    def _options(self) -> dict:
+        """This store's keyword arguments, for stores made from it."""
+        return {"retries": self.retries, "backoff": self.backoff, "io_threads": self.io_threads,
+                "timeout": self.timeout, "deadline": self.deadline,
+                "follow_external_links": self.follow_external_links}  # fmt: skip
+
     def child(self, name: str) -> Store:
         """A store for the folder or prefix ``name`` inside this one (same options)."""
-        options = {"retries": self.retries, "backoff": self.backoff,
-                   "io_threads": self.io_threads, "timeout": self.timeout,
-                   "deadline": self.deadline,
-                   "follow_external_links": self.follow_external_links}  # fmt: skip
+        options = self._options()
         if self.is_local:
             child = Store(self._root / name, **options)
             # Links inside the dataset are judged against the dataset's root, not the child's.
@@ -536,9 +530,7 @@ class Store:
         """A new, empty store beside this one (same parent directory or bucket prefix) in
         which a replacement is written before :meth:`replace_with` moves it here."""
         tag = f".deltacells-staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        options = {"retries": self.retries, "backoff": self.backoff,
-                   "io_threads": self.io_threads, "timeout": self.timeout,
-                   "deadline": self.deadline}  # fmt: skip
+        options = self._options()
         if self.is_local:
             root = self._root.resolve() if self._root.is_symlink() else self._root.absolute()
             staged = root.parent / f".{root.name}{tag}"
