@@ -264,6 +264,8 @@ class Dataset:
                 table = pq.read_table(arrow_reader(self.obs_shard(s)), columns=names)
             except PARQUET_ERRORS as err:
                 raise FormatError(f"{where}: unreadable parquet ({err})") from None
+            if table.column_names != names:
+                raise FormatError(f"{where}: columns {table.column_names}, expected {names}")
             k = self.manifest.obs_tiles_per_file
             cells = sum(self.manifest.tile_cells[s * k : (s + 1) * k])
             if table.num_rows != cells:
@@ -367,8 +369,9 @@ class Dataset:
         where = self.store.describe(obs_shard_name(0))
         if names.isna().any():
             raise FormatError(f"{where}: obs names column {index!r} has missing values")
-        if self.manifest.metadata.get("obs_names_unique") and not names.is_unique:
-            repeated = names[names.duplicated()].iloc[0]
+        duplicated = names.duplicated()
+        if self.manifest.metadata.get("obs_names_unique") and duplicated.any():
+            repeated = names[duplicated].iloc[0]
             raise FormatError(
                 f"{self.store.describe(MANIFEST_NAME)}: obs names in {index!r} repeat "
                 f"({repeated!r}) but the writer recorded them unique (obs_index_column "

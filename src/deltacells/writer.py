@@ -756,7 +756,9 @@ def write_deltacells(
             gene_order=order,
             cell_order=cell_order,
             offsets=np.concatenate([[0], np.cumsum([p.n_obs for p in parts])]).astype(np.int64),
-            obs_names_unique=obs_frame is None or bool(obs_frame.index.astype(str).is_unique),
+            # duplicated(), not is_unique: pandas compares strings only up to a NUL byte there
+            obs_names_unique=obs_frame is None
+            or not bool(obs_frame.index.astype(str).duplicated().any()),
             obs_pandas=None if obs_frame is None else pandas_record(obs_frame),
         )
 
