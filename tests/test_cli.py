@@ -67,3 +67,80 @@ def test_console_script_runs(tmp_path):
     assert result.returncode == 0, result.stderr
     order = np.load(tmp_path / "d" / "cell_order.npy")
     assert len(order) == 2327
+
+
+def test_help_documents_every_option(capsys):
+    import pytest
+
+    from deltacells.cli import build_parser
+
+    parser = build_parser()
+    for command in ("convert", "info", "verify"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = capsys.readouterr().out
+        assert "examples:" in text and "exit status:" in text
+        sub = parser._subparsers._group_actions[0].choices[command]
+        for action in sub._actions:
+            assert action.help, f"{command} {action.option_strings or action.dest} has no help"
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    text = capsys.readouterr().out
+    assert "(default: 4096)" in text and "(default: 0)" in text and "(default: same)" in text
+    assert "``" not in text  # no raw reStructuredText
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "``" not in capsys.readouterr().out
+
+
+def test_errors_speak_in_flags(tmp_path, capsys):
+    source = str(DATA_DIR / "visium_multisample.h5ad")
+    assert main(["convert", source, str(tmp_path / "d"), "--quiet"]) == 0
+    assert main(["convert", source, str(tmp_path / "d"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "pass --overwrite" in err and "overwrite=True" not in err
+    import anndata as ad
+
+    other = ad.read_h5ad(source)[:, :100].copy()
+    other.write_h5ad(tmp_path / "other.h5ad")
+    assert main(["convert", source, str(tmp_path / "other.h5ad"), str(tmp_path / "atlas"),
+                 "--quiet"]) == 1  # fmt: skip
+    err = capsys.readouterr().err
+    assert "--join inner or --join outer" in err and "join=" not in err
+
+
+def test_wrong_kinds_of_path_are_named(tmp_path, capsys):
+    assert main(["info", str(DATA_DIR / "visium_multisample.h5ad")]) == 1
+    assert "an .h5ad (HDF5) file, not a deltacells dataset" in capsys.readouterr().err
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("x")
+    assert main(["info", str(tmp_path / "notes")]) == 1
+    err = capsys.readouterr().err
+    assert "not a deltacells dataset (no manifest.json, no tiles/)" in err
+    assert "incomplete" not in err
+
+
+def test_info_lists_stored_parts_and_verify_json(tmp_path, capsys):
+    from test_whole_anndata import processed
+
+    processed(seed=30).write_h5ad(tmp_path / "in.h5ad")
+    assert main(["convert", str(tmp_path / "in.h5ad"), str(tmp_path / "d"), "--quiet"]) == 0
+    assert main(["info", str(tmp_path / "d")]) == 0
+    out = capsys.readouterr().out
+    assert "layers['counts']: counts, layers/counts" in out and "obsm: anndata.zarr" in out
+    assert main(["verify", str(tmp_path / "d"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is True and report["error"] is None
+    (tmp_path / "d" / "tiles" / "tile_000000.dct").write_bytes(b"broken")
+    assert main(["verify", str(tmp_path / "d"), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False and "tile_000000.dct" in report["error"]
+
+
+def test_single_input_without_genes(tmp_path, capsys):
+    import anndata as ad
+    import scipy.sparse as sp
+
+    ad.AnnData(X=sp.csr_matrix((5, 0))).write_h5ad(tmp_path / "empty.h5ad")
+    assert main(["convert", str(tmp_path / "empty.h5ad"), str(tmp_path / "d"), "--quiet"]) == 1
+    assert "empty.h5ad: the input has no genes" in capsys.readouterr().err

@@ -1,10 +1,11 @@
-"""The ``deltacells`` command: convert, info, verify."""
+"""The deltacells command: convert AnnData files to deltacells datasets, describe, verify."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -80,6 +81,7 @@ def _write(args: argparse.Namespace, sources):
         n_workers=args.workers,
         overwrite=args.overwrite,
         progress=not args.quiet,
+        elements=not args.no_elements,
     )
 
 
@@ -101,17 +103,36 @@ def _info(args: argparse.Namespace) -> int:
     print(f"  obs columns      {len(columns)}")
     for name, kind in columns.items():
         print(f"    {name}: {kind}")
+    stored = info["stored_parts"]
+    if stored["layers"] or stored["raw"] or stored["elements"]:
+        print("  also stored")
+        for name, where in stored["layers"].items():
+            print(f"    layers[{name!r}]: {'X itself' if where == '.' else 'counts, ' + where}")
+        if stored["raw"]:
+            print(f"    raw: {'X itself' if stored['raw'] == '.' else 'counts, raw/'}")
+        for name in stored["elements"]:
+            print(f"    {'layers (not counts)' if name == 'layers' else name}: anndata.zarr")
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
+    if args.json:
+        try:
+            dataset = open_dataset(args.path)
+            dataset.verify()
+        except (FormatError, FileNotFoundError, OSError) as err:
+            print(json.dumps({"path": args.path, "ok": False, "error": str(err)}))
+            return 1
+        print(json.dumps({"path": args.path, "ok": True, "error": None,
+                          "n_tiles": dataset.manifest.n_tiles}))  # fmt: skip
+        return 0
     dataset = open_dataset(args.path)
     progress = None
     if not args.quiet:
         from tqdm.auto import tqdm
 
         def progress(tiles):
-            return tqdm(tiles, desc="verifying tiles", unit="tile", leave=False)
+            return tqdm(tiles, desc="verifying tiles", unit="tile")
 
     dataset.verify(progress)
     if not args.quiet:
@@ -119,46 +140,117 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each option's default after its help (where it has one worth showing); epilogs
+    (examples, exit codes) kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        trivial = default is None or default is False or default == [] or default == "==SUPPRESS=="
+        if not trivial and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+EXIT_CODES = """exit status:
+  0  success
+  1  invalid data or a request the library refuses (the message names the file and problem)
+  2  command-line usage error"""
+
+EXAMPLES = {
+    "convert": """examples:
+  deltacells convert pbmc.h5ad pbmc.dc
+  deltacells convert a.h5ad b.h5ad atlas.dc --join inner --shuffle
+  deltacells convert processed.h5ad out.dc --layer counts     # X from layers["counts"]
+  deltacells convert in.h5ad s3://bucket/out.dc --overwrite""",
+    "info": """examples:
+  deltacells info pbmc.dc
+  deltacells info s3://bucket/atlas.dc --json""",
+    "verify": """examples:
+  deltacells verify pbmc.dc
+  deltacells verify atlas.dc --json""",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``deltacells`` command."""
-    parser = argparse.ArgumentParser(prog="deltacells", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="deltacells", description=__doc__, formatter_class=_HelpFormatter,
+        epilog="Run 'deltacells COMMAND --help' for a command's options.\n\n" + EXIT_CODES,
+    )  # fmt: skip
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    convert = sub.add_parser("convert", help="write .h5ad/.zarr inputs as a deltacells dataset")
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_text, description=help_text,
+                              epilog=EXAMPLES[name] + "\n\n" + EXIT_CODES,
+                              formatter_class=_HelpFormatter)  # fmt: skip
+
+    convert = command("convert", "write .h5ad/.zarr inputs as a deltacells dataset")
     convert.add_argument("src", nargs="+", help="input .h5ad or .zarr (several: an atlas)")
-    convert.add_argument("dst", help="target directory or fsspec URL")
-    convert.add_argument("--tile-size", type=int, default=DEFAULT_TILE_SIZE)
-    convert.add_argument("--n-chunks", type=int, default=DEFAULT_N_CHUNKS)
-    convert.add_argument(
-        "--level", type=int, default=DEFAULT_LEVEL, help="zstd level (19: smallest)"
-    )
-    convert.add_argument("--gene-order", choices=["total_counts", "none"], default="total_counts")
+    convert.add_argument("dst", help="target directory or fsspec URL (s3://, gs://, ...)")
+    convert.add_argument("--tile-size", type=int, default=DEFAULT_TILE_SIZE,
+                         help="cells per tile (one object each)")
+    convert.add_argument("--n-chunks", type=int, default=DEFAULT_N_CHUNKS,
+                         help="independently decodable chunks per tile; about tile-size / 8 "
+                         "for fast random-cell access")
+    convert.add_argument("--level", type=int, default=DEFAULT_LEVEL,
+                         help="zstd level (19: smallest, slowest to write)")
+    convert.add_argument("--gene-order", choices=["total_counts", "none"], default="total_counts",
+                         help="store genes by decreasing total counts (smallest files) or as given")
     convert.add_argument("--layer", help="take counts from this layer instead of X")
     convert.add_argument("--raw", action="store_true", help="take counts from .raw")
-    convert.add_argument("--join", choices=JOINS, default="same")
-    convert.add_argument(
-        "--shuffle", action="store_true", help="write cells in a seeded random order"
-    )
-    convert.add_argument("--seed", type=int, default=0)
-    convert.add_argument("--obs-exclude", nargs="*", default=[], metavar="COLUMN")
-    convert.add_argument("--no-obs", action="store_true")
-    convert.add_argument("--no-var", action="store_true")
-    convert.add_argument("--threads", type=int, default=None)
+    convert.add_argument("--join", choices=JOINS, default="same",
+                         help="several inputs: identical genes (same), genes in all (inner) or "
+                         "in any (outer)")
+    convert.add_argument("--shuffle", action="store_true",
+                         help="write cells in a seeded random order (for training)")
+    convert.add_argument("--seed", type=int, default=0, help="seed of --shuffle")
+    convert.add_argument("--obs-exclude", nargs="*", default=[], metavar="COLUMN",
+                         help="obs columns to leave out")
+    convert.add_argument("--no-obs", action="store_true", help="do not write obs")
+    convert.add_argument("--no-var", action="store_true", help="do not write var")
+    convert.add_argument("--no-elements", action="store_true",
+                         help="store X, obs and var only (not layers, raw, obsm, uns, ...)")
+    convert.add_argument("--threads", type=int, default=None,
+                         help="compression threads (default: OMP_NUM_THREADS or usable CPUs)")
     convert.add_argument("--workers", type=int, default=1, help="processes encoding tiles")
-    convert.add_argument("--overwrite", action="store_true")
+    convert.add_argument("--overwrite", action="store_true",
+                         help="replace a deltacells dataset at DST (nothing else is ever deleted)")
     convert.add_argument("--quiet", action="store_true", help="no progress bars or summary")
     convert.set_defaults(run=_convert)
 
-    info = sub.add_parser("info", help="summarise a dataset")
-    info.add_argument("path")
-    info.add_argument("--json", action="store_true")
+    info = command("info", "summarise a dataset: size, tiles, obs columns, stored parts")
+    info.add_argument("path", help="dataset directory or URL")
+    info.add_argument("--json", action="store_true", help="print the summary as JSON")
     info.set_defaults(run=_info)
 
-    verify = sub.add_parser("verify", help="check every tile, shard and the manifest")
-    verify.add_argument("path")
-    verify.add_argument("--quiet", action="store_true")
+    verify = command("verify", "check every tile, shard, stored part and the manifest")
+    verify.add_argument("path", help="dataset directory or URL")
+    verify.add_argument("--json", action="store_true",
+                        help='print {"ok": ..., "error": ...} as JSON')
+    verify.add_argument("--quiet", action="store_true", help="no progress bar or OK line")
     verify.set_defaults(run=_verify)
     return parser
+
+
+#: Library phrasing -> the flags a command-line user types.
+_FLAG_LANGUAGE = (
+    (re.compile(r"pass overwrite=True \(deltacells convert --overwrite\)"), "pass --overwrite"),
+    (re.compile(r"overwrite=True"), "--overwrite"),
+    (re.compile(r"join='(\w+)'"), r"--join \1"),
+    (re.compile(r"obs_exclude=\[([^\]]*)\]"),
+     lambda m: "--obs-exclude " + m.group(1).replace("'", "").replace(",", "")),
+    (re.compile(r"use_raw=True"), "--raw"),
+    (re.compile(r"\btile_size\b"), "--tile-size"),
+    (re.compile(r"\bn_chunks\b"), "--n-chunks"),
+)
+
+
+def _in_flag_language(message: str) -> str:
+    for pattern, replacement in _FLAG_LANGUAGE:
+        message = pattern.sub(replacement, message)
+    return message
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -167,7 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except (FormatError, FileNotFoundError, FileExistsError, ValueError, KeyError) as err:
-        print(f"deltacells {args.command}: error: {err}", file=sys.stderr)
+        text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
+        print(f"deltacells {args.command}: error: {_in_flag_language(text)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"deltacells {args.command}: interrupted", file=sys.stderr)

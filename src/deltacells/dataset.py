@@ -411,6 +411,7 @@ class Dataset:
         """A summary: cells, genes, tiles, sizes, bytes per nonzero, obs columns and kinds."""
         m = self.manifest
         schema = self.obs_schema()
+        parts = StoredParts.from_manifest(m, self.store.describe(MANIFEST_NAME))
         tile_bytes = sum(m.tile_bytes)
         return {
             "location": self.store.describe(),
@@ -426,6 +427,8 @@ class Dataset:
             "zstd_level": m.zstd_level,
             "gene_order": m.has_gene_order,
             "obs_columns": {c.name: c.kind for c in schema.columns} if schema else {},
+            "stored_parts": {"layers": parts.layers, "raw": parts.raw,
+                             "elements": list(parts.elements)},
         }
 
 
@@ -464,6 +467,18 @@ def category_from_codes(codes: np.ndarray, column: ObsColumn, where: str) -> pd.
         return pd.Categorical.from_codes(codes.astype(np.int64), categories=column.categories)
     except (ValueError, TypeError) as err:  # e.g. repeated categories
         raise FormatError(f"{where}: column {column.name!r}: {err}") from None
+
+
+def _what_file(path: str) -> str:
+    """A short description of a file given where a dataset was expected."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in (".h5ad", ".h5"):
+        return "an .h5ad (HDF5) file"
+    if suffix == ".loom":
+        return "a .loom file"
+    if suffix == ".dct":
+        return "a single tile (read it with deltacells.Tile)"
+    return "a file"
 
 
 def open_dataset(
@@ -505,12 +520,26 @@ def open_dataset(
     """
     store = open_store(url_or_path, storage_options, timeout=timeout, deadline=deadline,
                        follow_external_links=follow_external_links)  # fmt: skip
+    if store.is_local and os.path.isfile(store.describe()):
+        raise FormatError(f"{store.describe()}: {_what_file(store.describe())}, not a deltacells "
+                          "dataset (a folder); convert it with deltacells convert or "
+                          "write_deltacells")  # fmt: skip
     if not store.exists(MANIFEST_NAME):
-        if store.list():
+        names = store.list()
+        if any(n.startswith("tiles/tile_") for n in names):
             raise FormatError(
-                f"{store.describe()}: incomplete dataset (no {MANIFEST_NAME}); the write that "
-                "made it did not finish"
+                f"{store.describe()}: incomplete dataset (tiles but no {MANIFEST_NAME}); the "
+                "write that made it did not finish"
             )
+        if names and any(n in (".zgroup", "zarr.json") for n in names) and any(
+            n.startswith("X/") for n in names
+        ):
+            raise FormatError(f"{store.describe()}: an AnnData .zarr store, not a deltacells "
+                              "dataset; convert it with deltacells convert or "
+                              "write_deltacells")  # fmt: skip
+        if names:
+            raise FormatError(f"{store.describe()}: not a deltacells dataset (no "
+                              f"{MANIFEST_NAME}, no tiles/)")  # fmt: skip
         raise FileNotFoundError(f"{store.describe()}: no deltacells dataset there")
     text = store.read_bytes(MANIFEST_NAME, max_size=MAX_MANIFEST_BYTES)
     manifest = Manifest.from_json_text(text, store.describe(MANIFEST_NAME))

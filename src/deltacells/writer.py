@@ -542,7 +542,8 @@ def _progress_factory(progress: bool) -> Callable:
         return lambda iterable, **_: iterable
     from tqdm.auto import tqdm
 
-    return lambda iterable, **kwargs: tqdm(iterable, unit="tile", leave=False, **kwargs)
+    # The bars stay as a one-line summary of each pass once it is done.
+    return lambda iterable, **kwargs: tqdm(iterable, unit="tile", **kwargs)
 
 
 #: Names a dataset written by this package may hold (FORMAT.md's layout plus the writer's
@@ -730,7 +731,8 @@ def write_deltacells(
         var_names, col_maps, var_table = _align_genes(parts, join)
         n_genes = len(var_names)
         if n_genes == 0:
-            raise ValueError("no genes to write (the inputs share none)")
+            raise ValueError("no genes to write (the inputs share none)" if len(parts) > 1
+                             else f"{parts[0].label}: the input has no genes")  # fmt: skip
         if any("\n" in str(name) for name in var_names):
             raise ValueError("a gene name contains a newline, which var_names.txt cannot hold")
         obs_frame = _combined_obs(parts, obs_exclude, list_input=len(sources) > 1) if obs else None
