@@ -86,7 +86,7 @@ def test_help_documents_every_option(capsys):
     with pytest.raises(SystemExit):
         main(["convert", "--help"])
     text = capsys.readouterr().out
-    assert "(default: 4096)" in text and "(default: 0)" in text and "(default: same)" in text
+    assert "(default: 4096, fewer" in text and "(default: 0)" in text and "(default: same)" in text
     assert "``" not in text  # no raw reStructuredText
     with pytest.raises(SystemExit):
         main(["--help"])

@@ -464,3 +464,26 @@ def test_permute_columns_in_place_matches_scipy_for_any_thread_count(dtype):
         _kernels.permute_columns(indptr, block.indices.copy(), block.data.copy(), short_map, 2)
     with pytest.raises(ValueError, match="n_out_cols"):
         _kernels.remap_columns(indptr, block.indices, block.data, col_map, 2000)
+
+
+def test_tile_size_follows_counts_above_65535(tmp_path):
+    """A panel with many large counts (like a 28-gene STARmap run): with tile_size unset the
+    writer picks tiles that hold them and warns; an explicit size that cannot is refused
+    before anything is written, naming the size that would work."""
+    rng = np.random.default_rng(0)
+    X = sp.random(3000, 28, density=0.5, format="csr", random_state=rng)
+    X.data = np.ceil(X.data * 200_000)
+    adata = ad.AnnData(X=X)
+    with pytest.warns(UserWarning, match="writing tiles of 64 cells instead of 4096"):
+        manifest = dc.write_deltacells(adata, tmp_path / "auto", progress=False)
+    assert manifest.tile_size == 64
+    assert_same_matrix(read_back(tmp_path / "auto"), X)
+    with pytest.raises(ValueError, match=r"pass tile_size=64 or smaller"):
+        dc.write_deltacells(adata, tmp_path / "fixed", tile_size=4096, progress=False)
+    assert not (tmp_path / "fixed").exists()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # chung's few large counts fit the default tiles
+        dc.write_deltacells(DATA_DIR / "chung2017_smartseq2.h5ad", tmp_path / "chung",
+                            progress=False)  # fmt: skip

@@ -189,8 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert = command("convert", "write .h5ad/.zarr inputs as a deltacells dataset")
     convert.add_argument("src", nargs="+", help="input .h5ad or .zarr (several: an atlas)")
     convert.add_argument("dst", help="target directory or fsspec URL (s3://, gs://, ...)")
-    convert.add_argument("--tile-size", type=int, default=DEFAULT_TILE_SIZE,
-                         help="cells per tile (one object each)")
+    convert.add_argument("--tile-size", type=int, default=None,
+                         help=f"cells per tile, one object each (default: {DEFAULT_TILE_SIZE}, "
+                         "fewer for data with many counts above 65535)")
     convert.add_argument("--n-chunks", type=int, default=DEFAULT_N_CHUNKS,
                          help="independently decodable chunks per tile; about tile-size / 8 "
                          "for fast random-cell access")

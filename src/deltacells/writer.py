@@ -27,7 +27,7 @@ import scipy.sparse as sp
 
 from deltacells import _kernels
 from deltacells.codec import DEFAULT_LEVEL, DEFAULT_N_CHUNKS, CountError, canonical_csr, encode_tile
-from deltacells.format import MAGIC, FormatError
+from deltacells.format import MAGIC, STREAM_MAX, FormatError
 from deltacells.manifest import (
     GENE_ORDER_NAME,
     MANIFEST_NAME,
@@ -472,6 +472,7 @@ def _check_and_total(
     and pass 2 reads again, keeping memory flat whatever the input size.
     """
     totals = np.zeros(n_genes, dtype=np.float64)
+    fitting = block_size  # the largest tile size whose blocks hold few enough large counts
     cached_bytes = 0
     blocks = _iter_blocks(parts, block_size)
     n_blocks = sum(-(-part.n_obs // block_size) for part in parts)
@@ -488,6 +489,7 @@ def _check_and_total(
                 message=f"{part.label}: {err.problem} at cell {cell} "
                 f"({part.obs.index[cell]!r}), gene {err.gene} ({part.var.index[err.gene]!r})",
             ) from None
+        fitting = min(fitting, _cells_per_tile_for_exceptions(indptr, data, block_size))
         part_totals = np.bincount(indices, weights=data, minlength=shape[1])
         mapped = col_maps[p]
         keep = mapped >= 0
@@ -499,7 +501,55 @@ def _check_and_total(
             else:
                 cache.clear()
                 budget = 0
-    return totals
+    return totals, fitting
+
+
+def _cells_per_tile_for_exceptions(indptr: np.ndarray, data: np.ndarray, cells: int) -> int:
+    """The most cells per tile this block allows: every run of that many cells holds at most
+    ``exception_limit`` counts above 65535 (runs over the block's cells, in order)."""
+    large = data > STREAM_MAX
+    if not large.any():
+        return cells
+    row_of = np.repeat(np.arange(len(indptr) - 1), np.diff(indptr))
+    per_cell = np.bincount(row_of[large], minlength=len(indptr) - 1)
+    nnz_per_cell = np.diff(indptr)
+    size = cells
+    while size >= 1:
+        window = np.ones(min(size, len(per_cell)), dtype=np.int64)
+        exceptions = np.convolve(per_cell, window, mode="valid")
+        nonzeros = np.convolve(nnz_per_cell, window, mode="valid")
+        limit = np.maximum(1024, nonzeros // 200)
+        if (exceptions <= limit).all():
+            return size
+        size = size // 2 if size > 1 else 0
+    return 0
+
+
+def _settle_tile_size(tile_size: int, fitting: int, chosen: bool) -> int:
+    """``tile_size``, or a smaller one that holds the data's large counts (with a warning),
+    or an error naming the size that would (for an explicit ``tile_size``)."""
+    if fitting >= tile_size:
+        return tile_size
+    if fitting < 1:
+        raise ValueError(
+            "a single cell holds more than 1024 counts above 65535: values this large are not "
+            "raw counts (the format stores them as rare exceptions)"
+        )
+    if chosen:
+        raise ValueError(
+            f"tiles of {tile_size} cells would hold more counts above 65535 than a tile may "
+            f"(max(1024, nnz/200)); pass tile_size={fitting} or smaller, or leave tile_size "
+            "unset to let the writer choose"
+        )
+    import warnings
+
+    warnings.warn(
+        f"many counts above 65535: writing tiles of {fitting} cells instead of {tile_size} "
+        "(a tile may hold at most max(1024, nnz/200) of them)",
+        UserWarning,
+        stacklevel=3,
+    )
+    return fitting
 
 
 def _tile_rows(plan: _Plan, tile: int, tile_size: int) -> np.ndarray:
@@ -606,7 +656,7 @@ def write_deltacells(
     source: Any,
     path: str | os.PathLike,
     *,
-    tile_size: int = DEFAULT_TILE_SIZE,
+    tile_size: int | None = None,
     n_chunks: int = DEFAULT_N_CHUNKS,
     zstd_level: int = DEFAULT_LEVEL,
     gene_order: str | Sequence[int] | np.ndarray = "total_counts",
@@ -642,7 +692,10 @@ def write_deltacells(
         Target directory or fsspec URL. It must be empty unless ``overwrite=True`` (which only
         replaces an existing deltacells dataset).
     tile_size
-        Cells per tile.
+        Cells per tile. ``None`` (default): :data:`DEFAULT_TILE_SIZE`, or fewer for data with
+        many counts above 65535 (each such count is an exception, and a tile may hold at most
+        ``max(1024, nnz / 200)``): the writer then picks the largest size that fits and warns.
+        An explicit size that cannot hold the data is refused naming the size that would.
     n_chunks
         Independently decodable chunks per tile: the unit a row selection decompresses. The
         default (about 512 cells per chunk with 4,096-cell tiles) keeps files smallest and
@@ -715,6 +768,8 @@ def write_deltacells(
     The output is byte-identical for any ``n_threads`` and ``n_workers`` and for in-memory or
     on-disk input of the same data.
     """
+    chosen_tile_size = tile_size is not None
+    tile_size = DEFAULT_TILE_SIZE if tile_size is None else tile_size
     if tile_size < 1 or n_chunks < 1 or obs_tiles_per_file < 1:
         raise ValueError("tile_size, n_chunks and obs_tiles_per_file must be >= 1")
     sources = list(source) if isinstance(source, list | tuple) else [source]
@@ -740,7 +795,9 @@ def write_deltacells(
         on_disk = any(not p.reader.in_memory for p in parts)
         budget = cache_bytes if on_disk and not shuffle else 0
         cache: dict = {}
-        totals = _check_and_total(parts, col_maps, n_genes, tile_size, progress_bar, cache, budget)
+        totals, fitting = _check_and_total(parts, col_maps, n_genes, tile_size, progress_bar,
+                                           cache, budget)  # fmt: skip
+        tile_size = _settle_tile_size(tile_size, fitting, chosen_tile_size)
         order = _resolve_gene_order(gene_order, totals)
         n_cells = sum(p.n_obs for p in parts)
         cell_order = np.random.default_rng(seed).permutation(n_cells) if shuffle else None
