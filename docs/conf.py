@@ -2,6 +2,7 @@
 
 project = "deltacells"
 author = "the deltacells developers"
+copyright = "2026, the deltacells developers"
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 myst_enable_extensions = ["colon_fence"]
