@@ -4,6 +4,7 @@
 #   bash tools/dev.sh test   lint + the test suite (what CI runs)
 #   bash tools/dev.sh bench  the benchmarks (JSON + plots under benchmarks/results and docs/)
 #   bash tools/dev.sh docs   build the Sphinx docs into docs/_build/html
+#   bash tools/dev.sh wheel  build a wheel and bundle libzstd/libdeflate/libgomp into wheelhouse/
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -83,8 +84,17 @@ case "$job" in
     ensure_environment
     "$VENV/bin/python" -m sphinx -q -b html docs docs/_build/html
     ;;
+  wheel)
+    # A wheel that installs without the system libraries: auditwheel copies libzstd,
+    # libdeflate and libgomp into it (zlib is part of the manylinux baseline). The platform
+    # tag follows this machine's glibc; build in a manylinux image for older systems.
+    ensure_environment
+    rm -rf "$ROOT/build/wheel" && mkdir -p "$ROOT/build/wheel" "$ROOT/wheelhouse"
+    "$VENV/bin/python" -m pip wheel -q --no-build-isolation --no-deps -w "$ROOT/build/wheel" .
+    "$VENV/bin/auditwheel" repair -w "$ROOT/wheelhouse" "$ROOT"/build/wheel/deltacells-*.whl
+    ;;
   *)
-    echo "usage: bash tools/dev.sh {demo|test|bench|docs} [args...]" >&2
+    echo "usage: bash tools/dev.sh {demo|test|bench|docs|wheel} [args...]" >&2
     exit 2
     ;;
 esac
