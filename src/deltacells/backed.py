@@ -284,11 +284,7 @@ class DeltacellsCSRDataset(CSRDataset):
         tile by tile in bounded memory. Results are shaped as scipy's ``csr_matrix.sum``:
         a scalar or an ``np.matrix`` of one row or column (written into ``out`` if given, as
         ``numpy.sum`` asks)."""
-        result = self._sum(axis, dtype)
-        if out is None:
-            return result
-        out[...] = np.asarray(result).reshape(np.shape(out))
-        return out
+        return _into(self._sum(axis, dtype), out)
 
     def _sum(self, axis: int | None, dtype: DTypeLike) -> Any:
         if axis not in (None, 0, 1, -1, -2):
@@ -312,11 +308,7 @@ class DeltacellsCSRDataset(CSRDataset):
         total = self._sum(axis, dtype if dtype is not None else np.float64)
         count = {None: self.shape[0] * self.shape[1], 0: self.shape[0], -2: self.shape[0],
                  1: self.shape[1], -1: self.shape[1]}[axis]  # fmt: skip
-        result = total / max(count, 1)
-        if out is None:
-            return result
-        out[...] = np.asarray(result).reshape(np.shape(out))
-        return out
+        return _into(total / max(count, 1), out)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         raise TypeError(_LAZY_ADVICE.format(what="converting X to a numpy array"))
@@ -373,6 +365,14 @@ class DeltacellsCSRDataset(CSRDataset):
         matrix = sp.csr_matrix((values, indices, indptr), shape=self.shape, copy=False)
         matrix.has_canonical_format = True
         return matrix
+
+
+def _into(result: Any, out: Any) -> Any:
+    """``result``, or ``out`` holding it when numpy passed an output array."""
+    if out is None:
+        return result
+    out[...] = np.asarray(result).reshape(np.shape(out))
+    return out
 
 
 _LAZY_ADVICE = (
@@ -497,14 +497,13 @@ def read_deltacells(
     """
     dataset = open_dataset(url_or_path, storage_options=storage_options, timeout=timeout,
                            deadline=deadline)  # fmt: skip
-    X = DeltacellsCSRDataset(dataset, column_order=column_order, values_dtype=values_dtype,
-                             n_threads=n_threads, tile_cache_bytes=tile_cache_bytes)  # fmt: skip
-    var = _var(dataset, column_order)
-    obs_frame = _obs(dataset, obs, cache_dir)
     options = {"column_order": column_order, "values_dtype": values_dtype,
                "n_threads": n_threads, "tile_cache_bytes": tile_cache_bytes, "dask": dask}
-    parts = _stored_parts(dataset, X, elements, options)  # fmt: skip
-    return ad.AnnData(X=X.to_dask() if dask else X, obs=obs_frame, var=var, **parts)
+    X = _lazy_matrix(dataset, options)
+    var = _var(dataset, column_order)
+    obs_frame = _obs(dataset, obs, cache_dir)
+    parts = _stored_parts(dataset, X, elements, options)
+    return ad.AnnData(X=X, obs=obs_frame, var=var, **parts)
 
 
 def _lazy_matrix(dataset: Dataset, options: dict) -> Any:
@@ -515,11 +514,9 @@ def _lazy_matrix(dataset: Dataset, options: dict) -> Any:
     return matrix.to_dask() if options["dask"] else matrix
 
 
-def _stored_parts(
-    dataset: Dataset, X: DeltacellsCSRDataset, elements: bool | str, options: dict
-) -> dict[str, Any]:
+def _stored_parts(dataset: Dataset, X: Any, elements: bool | str, options: dict) -> dict:
     """layers, raw, obsm, varm, obsp, varp and uns as AnnData takes them (see
-    :mod:`deltacells.elements`)."""
+    :mod:`deltacells.elements`); ``X`` is the AnnData's X, which a layer may be."""
     from deltacells.elements import read_elements
 
     where = dataset.store.describe(MANIFEST_NAME)
@@ -529,7 +526,7 @@ def _stored_parts(
     layers: dict[str, Any] = {}
     for name, location in parts.layers.items():
         if location == ".":
-            layers[name] = X.to_dask() if options["dask"] else X
+            layers[name] = X
             continue
         sub = open_dataset(store.child(location))
         if sub.shape != dataset.shape:

@@ -57,8 +57,11 @@ DEFAULT_N_CHUNKS = 8
 VALUE_DTYPES = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.float64))
 
 
-def exception_limit(nnz: int) -> int:
-    """Most exceptions of either kind the writer accepts in a tile of ``nnz`` nonzeros."""
+def exception_limit(nnz: int | np.ndarray) -> int | np.ndarray:
+    """Most exceptions of either kind the writer accepts in a tile of ``nnz`` nonzeros (an
+    integer, or an array of them, elementwise)."""
+    if np.ndim(nnz):
+        return np.maximum(1024, np.asarray(nnz) // 200)
     return max(1024, nnz // 200)
 
 

@@ -125,12 +125,7 @@ class Dataset:
         m = self.manifest
         chosen = range(m.n_tiles) if indices is None else indices
         names = [tile_name(int(t)) for t in chosen]
-        if self.store.is_local or len(names) < 2:
-            sizes = [self.store.size(name) for name in names]
-        else:
-            futures = [self.store._pool().submit(self.store.size, name) for name in names]
-            sizes = [future.result() for future in futures]
-        for name, t, size in zip(names, chosen, sizes, strict=True):
+        for name, t, size in zip(names, chosen, self.store.sizes(names), strict=True):
             if size != m.tile_bytes[int(t)]:
                 raise FormatError(
                     f"{self.store.describe(name)}: {size} bytes, the manifest says "
@@ -361,11 +356,13 @@ class Dataset:
     def _check_obs_values(self, schema: ObsSchema) -> None:
         """Category codes in range in every column; obs names present, and unique where the
         writer recorded that they were."""
-        self.read_obs([c.name for c in schema.columns if c.kind == "category"])
         index = self.obs_index_column(schema)
+        categories = [c.name for c in schema.columns if c.kind == "category"]
+        # One pass over the shards; reading a category column checks its codes.
+        frame = self.read_obs(categories + ([index] if index is not None else []))
         if index is None:
             return
-        names = self.read_obs([index])[index]
+        names = frame[index]
         where = self.store.describe(obs_shard_name(0))
         if names.isna().any():
             raise FormatError(f"{where}: obs names column {index!r} has missing values")

@@ -48,15 +48,15 @@ class ElementsWarning(UserWarning):
     """Part of an AnnData could not be stored and was left out (the message names it)."""
 
 
-def _group_location(store: Store) -> Any:
+def _group_location(store: Store, read_only: bool) -> Any:
     """What ``zarr.open_group`` takes for the group inside ``store``."""
     if store.is_local:
         return store.describe(ANNDATA_GROUP)
     from zarr.storage import FsspecStore
 
-    url = store.describe(ANNDATA_GROUP)
-    return FsspecStore.from_url(url, storage_options=store.storage_options or None,
-                                read_only=True)  # fmt: skip
+    return FsspecStore.from_url(store.describe(ANNDATA_GROUP),
+                                storage_options=store.storage_options or None,
+                                read_only=read_only)  # fmt: skip
 
 
 def open_group(store: Store, mode: str = "r"):
@@ -64,16 +64,10 @@ def open_group(store: Store, mode: str = "r"):
     import zarr
 
     if mode == "r":
-        return zarr.open_group(_group_location(store), mode="r")
-    zarr_format = ad.settings.zarr_write_format  # the format anndata writes its elements in
-    if store.is_local:
-        return zarr.open_group(store.describe(ANNDATA_GROUP), mode="w", zarr_format=zarr_format)
-    from zarr.storage import FsspecStore
-
-    location = FsspecStore.from_url(store.describe(ANNDATA_GROUP),
-                                    storage_options=store.storage_options or None,
-                                    read_only=False)  # fmt: skip
-    return zarr.open_group(location, mode="w", zarr_format=zarr_format)
+        return zarr.open_group(_group_location(store, read_only=True), mode="r")
+    # The group in the zarr format anndata writes its elements in.
+    return zarr.open_group(_group_location(store, read_only=False), mode="w",
+                           zarr_format=ad.settings.zarr_write_format)  # fmt: skip
 
 
 def permute_cells(value: Any, order: np.ndarray, both_axes: bool = False) -> Any:

@@ -328,6 +328,13 @@ class Store:
             return self._retrying("stat", name, local_size)
         return self._retrying("size", name, lambda: int(self._fs.size(self._path(name))))
 
+    def sizes(self, names: list[str]) -> list[int]:
+        """Sizes of several objects (asked concurrently on remote stores)."""
+        if self.is_local or len(names) < 2:
+            return [self.size(name) for name in names]
+        futures = [self._pool().submit(self.size, name) for name in names]
+        return [future.result() for future in futures]
+
     def read_bytes(self, name: str, max_size: int | None = None) -> bytes:
         """The whole object ``name``.
 

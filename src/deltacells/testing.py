@@ -350,6 +350,18 @@ def _read_everything(root: Path, cache_dir: Path) -> None:
     dataset.verify()
 
 
+def _read_back(report: FuzzReport, root: Path, cache_dir: Path, what: str, shown: str = ""):
+    """Read everything of a damaged dataset: count a rejection (FormatError) or a clean read;
+    anything else fails naming the mutant."""
+    try:
+        _read_everything(root, cache_dir)
+        report.decoded += 1
+    except FormatError:
+        report.rejected += 1
+    except Exception as err:
+        raise AssertionError(f"{what} raised {err!r}" + (f":\n{shown}" if shown else "")) from err
+
+
 def _mutate_json(obj, rng: np.random.Generator):
     """A copy of a JSON object with one value replaced, a key removed or a list changed."""
     out = json.loads(json.dumps(obj))
@@ -399,13 +411,8 @@ def fuzz_manifests(root: str | Path, n_mutants: int, *, seed: int = 0) -> FuzzRe
             else:
                 mutant = json.dumps(_mutate_json(original, rng))
             (work / "manifest.json").write_text(mutant)
-            try:
-                _read_everything(work, Path(tmp) / f"cache{i % 4}")
-                report.decoded += 1
-            except FormatError:
-                report.rejected += 1
-            except Exception as err:
-                raise AssertionError(f"manifest mutant {i} raised {err!r}:\n{mutant}") from err
+            _read_back(report, work, Path(tmp) / f"cache{i % 4}", f"manifest mutant {i}",
+                       mutant)  # fmt: skip
     return report
 
 
@@ -448,11 +455,5 @@ def fuzz_obs_shards(root: str | Path, n_mutants: int, *, seed: int = 0) -> FuzzR
             m["obs_fingerprint"] = obs_fingerprint(schema_text, m["tile_cells"],
                                                    m["obs_shard_sha256"])  # fmt: skip
             (work / "manifest.json").write_text(json.dumps(m))
-            try:
-                _read_everything(work, Path(tmp) / "cache")
-                report.decoded += 1
-            except FormatError:
-                report.rejected += 1
-            except Exception as err:
-                raise AssertionError(f"obs shard mutant {i} (kind {kind}) raised {err!r}") from err
+            _read_back(report, work, Path(tmp) / "cache", f"obs shard mutant {i} (kind {kind})")
     return report

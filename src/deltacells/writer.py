@@ -26,7 +26,14 @@ import pyarrow.parquet as pq
 import scipy.sparse as sp
 
 from deltacells import _kernels
-from deltacells.codec import DEFAULT_LEVEL, DEFAULT_N_CHUNKS, CountError, canonical_csr, encode_tile
+from deltacells.codec import (
+    DEFAULT_LEVEL,
+    DEFAULT_N_CHUNKS,
+    CountError,
+    canonical_csr,
+    encode_tile,
+    exception_limit,
+)
 from deltacells.format import MAGIC, STREAM_MAX, FormatError
 from deltacells.manifest import (
     GENE_ORDER_NAME,
@@ -518,8 +525,7 @@ def _cells_per_tile_for_exceptions(indptr: np.ndarray, data: np.ndarray, cells: 
         window = np.ones(min(size, len(per_cell)), dtype=np.int64)
         exceptions = np.convolve(per_cell, window, mode="valid")
         nonzeros = np.convolve(nnz_per_cell, window, mode="valid")
-        limit = np.maximum(1024, nonzeros // 200)
-        if (exceptions <= limit).all():
+        if (exceptions <= exception_limit(nonzeros)).all():
             return size
         size = size // 2 if size > 1 else 0
     return 0
@@ -823,6 +829,7 @@ def write_deltacells(
 
         # A dataset already there is replaced only at the end: the new one is written beside
         # it and swapped in whole, so a failed or killed write leaves the old one readable.
+        # Checked again here: the target may have changed during the first pass.
         replacing = _check_target(target, overwrite)
         if replacing:
             store = target.staging_sibling()
@@ -881,77 +888,73 @@ def _write_dataset(
     cache: dict,
 ) -> Manifest:  # fmt: skip
     """Pass 2: tiles, gene and obs files, and the manifest last (the commit point)."""
-    n_cells, n_genes, order = plan.n_cells, plan.n_genes, plan.gene_order
-    cell_order = plan.cell_order
-    tile_size, n_chunks, zstd_level = settings.tile_size, settings.n_chunks, settings.zstd_level
-    var, obs, shuffle, seed = settings.var, settings.obs, settings.shuffle, settings.seed
-    use_raw, layer, join, metadata = settings.use_raw, settings.layer, settings.join, \
-        settings.metadata  # fmt: skip
-    obs_tiles_per_file = settings.obs_tiles_per_file
+    s = settings
     tile_cells, tile_nnz, tile_bytes, tile_crc32 = _write_tiles(
-        store, parts, plan, tile_size, n_chunks, zstd_level, settings.n_threads,
-        settings.n_workers, progress_bar, cache,
+        store, parts, plan, s.tile_size, s.n_chunks, s.zstd_level, s.n_threads, s.n_workers,
+        progress_bar, cache,
     )  # fmt: skip
-    has_gene_order = order is not None
-    if has_gene_order:
-        buffer = io.BytesIO()
-        np.save(buffer, order.astype(np.int32), allow_pickle=False)
-        store.write_atomic(GENE_ORDER_NAME, buffer.getvalue())
-    if var:
+    if plan.gene_order is not None:
+        store.write_atomic(GENE_ORDER_NAME, _npy_bytes(plan.gene_order.astype(np.int32)))
+    if s.var:
         names_text = "".join(f"{name}\n" for name in plan.var_names)
         store.write_atomic(VAR_NAMES_NAME, names_text.encode("utf-8"))
         store.write_atomic(VAR_TABLE_NAME, _var_parquet(plan.var))
-    if shuffle:
-        buffer = io.BytesIO()
-        np.save(buffer, cell_order.astype(np.int64), allow_pickle=False)
-        store.write_atomic(CELL_ORDER_NAME, buffer.getvalue())
+    if s.shuffle:
+        store.write_atomic(CELL_ORDER_NAME, _npy_bytes(plan.cell_order.astype(np.int64)))
     obs_fields: dict[str, Any] = {}
-    if obs:
-        obs_fields = _write_obs(
-            store, obs_plan, plan, tile_size, tile_cells, obs_tiles_per_file
-        )
+    if s.obs:
+        obs_fields = _write_obs(store, obs_plan, plan, s.tile_size, tile_cells,
+                                s.obs_tiles_per_file)  # fmt: skip
     extras = None
-    if settings.source is not None:
+    if s.source is not None:
         from deltacells._extras import write_extras
 
-        options = {"tile_size": tile_size, "n_chunks": n_chunks, "zstd_level": zstd_level,
-                   "n_threads": settings.n_threads, "shuffle": shuffle, "seed": seed,
-                   "storage_options": settings.storage_options}  # fmt: skip
-        extras = write_extras(store, settings.source, layer=layer, use_raw=use_raw,
-                              gene_order=order, cell_order=cell_order, options=options)  # fmt: skip
+        options = {"tile_size": s.tile_size, "n_chunks": s.n_chunks, "zstd_level": s.zstd_level,
+                   "n_threads": s.n_threads, "shuffle": s.shuffle, "seed": s.seed,
+                   "storage_options": s.storage_options}  # fmt: skip
+        extras = write_extras(store, s.source, layer=s.layer, use_raw=s.use_raw,
+                              gene_order=plan.gene_order, cell_order=plan.cell_order,
+                              options=options)  # fmt: skip
     meta = {
         "writer": f"deltacells {_package_version()}",
         "anndata": extras,
-        "obs_index_column": OBS_INDEX_COLUMN if obs else None,
+        "obs_index_column": OBS_INDEX_COLUMN if s.obs else None,
         # What verify holds the index column to (AnnData allows repeated obs_names).
-        "obs_names_unique": bool(plan.obs_names_unique) if obs else None,
+        "obs_names_unique": bool(plan.obs_names_unique) if s.obs else None,
         # Exact pandas dtypes and non-string names (deltacells.obs_dtypes).
-        "obs_pandas": plan.obs_pandas if obs else None,
+        "obs_pandas": plan.obs_pandas if s.obs else None,
         "sources": [p.label for p in parts],
-        "layer": "raw" if use_raw else layer,
-        "join": join if len(parts) > 1 else None,
-        "shuffle": {"seed": seed, "cell_order": CELL_ORDER_NAME} if shuffle else None,
-    } | dict(metadata or {})
+        "layer": "raw" if s.use_raw else s.layer,
+        "join": s.join if len(parts) > 1 else None,
+        "shuffle": {"seed": s.seed, "cell_order": CELL_ORDER_NAME} if s.shuffle else None,
+    } | dict(s.metadata or {})
     manifest = Manifest(
         version=2,
-        n_cells=n_cells,
-        n_genes=n_genes,
-        tile_size=tile_size,
+        n_cells=plan.n_cells,
+        n_genes=plan.n_genes,
+        tile_size=s.tile_size,
         tile_cells=tile_cells,
         tile_nnz=tile_nnz,
         tile_bytes=tile_bytes,
         tile_crc32=tile_crc32,
-        n_chunks=n_chunks,
-        zstd_level=zstd_level,
-        has_gene_order=has_gene_order,
-        has_var_names=bool(var),
-        has_var_table=bool(var),
-        has_obs=bool(obs),
+        n_chunks=s.n_chunks,
+        zstd_level=s.zstd_level,
+        has_gene_order=plan.gene_order is not None,
+        has_var_names=bool(s.var),
+        has_var_table=bool(s.var),
+        has_obs=bool(s.obs),
         metadata=meta,
         **obs_fields,
     )
     store.write_atomic(MANIFEST_NAME, manifest.to_json_text().encode("utf-8"))
     return manifest
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    """``array`` as the bytes of a ``.npy`` file."""
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
 
 
 def _warn_if_dropped(sources: list) -> None:
