@@ -144,3 +144,12 @@ def test_single_input_without_genes(tmp_path, capsys):
     ad.AnnData(X=sp.csr_matrix((5, 0))).write_h5ad(tmp_path / "empty.h5ad")
     assert main(["convert", str(tmp_path / "empty.h5ad"), str(tmp_path / "d"), "--quiet"]) == 1
     assert "empty.h5ad: the input has no genes" in capsys.readouterr().err
+
+
+def test_progress_bars_end_complete(tmp_path, capsys):
+    source = str(DATA_DIR / "visium_multisample.h5ad")
+    assert main(["convert", source, str(tmp_path / "d"), "--tile-size", "1000"]) == 0
+    lines = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    for desc in ("checking counts", "encoding tiles"):
+        last = [line for line in lines if line.startswith(desc)][-1]
+        assert "100%" in last and "3/3" in last, last

@@ -1022,6 +1022,9 @@ def _write_tiles(
 
     bar = progress(range(n_tiles), total=n_tiles, desc="encoding tiles")
     ticks = iter(bar)
+    # tqdm counts an item when the next one is asked for: start the bar now, so that the
+    # tick after each written tile counts it and the last one closes the bar at n/n.
+    next(ticks, None)
     if n_workers <= 1:
         for t, matrix in enumerate(matrices()):
             record(
