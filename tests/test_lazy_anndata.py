@@ -4,6 +4,7 @@ concat, and the documented outcome of each common scanpy call on each kind of X.
 from __future__ import annotations
 
 import anndata as ad
+import dask.array as da
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -36,13 +37,17 @@ def test_sum_and_mean_match_scipy(stored, values_dtype):
     X = dc.read_deltacells(root, values_dtype=values_dtype, elements=False).X
     expected = sp.csr_matrix(source.X, dtype=values_dtype)
     for axis in (None, 0, 1):
-        np.testing.assert_allclose(np.asarray(X.sum(axis=axis)),
-                                   np.asarray(expected.sum(axis=axis)), rtol=1e-6)
-        np.testing.assert_allclose(np.asarray(X.mean(axis=axis)),
-                                   np.asarray(expected.mean(axis=axis)), rtol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(X.sum(axis=axis)), np.asarray(expected.sum(axis=axis)), rtol=1e-6
+        )
+        np.testing.assert_allclose(
+            np.asarray(X.mean(axis=axis)), np.asarray(expected.mean(axis=axis)), rtol=1e-6
+        )
         assert np.shape(X.sum(axis=axis)) == np.shape(expected.sum(axis=axis))
-    np.testing.assert_allclose(np.asarray(np.sum(X, axis=1)),  # numpy passes out=
-                               np.asarray(expected.sum(axis=1)))
+    np.testing.assert_allclose(
+        np.asarray(np.sum(X, axis=1)),  # numpy passes out=
+        np.asarray(expected.sum(axis=1)),
+    )
     out = np.zeros((X.shape[0], 1))
     assert X.sum(axis=1, out=out) is out
 
@@ -82,13 +87,40 @@ def test_write_h5ad_and_zarr_stream_tile_by_tile(stored, tmp_path, monkeypatch, 
 def test_concat(stored):
     root, source = stored
     lazy = dc.read_deltacells(root, elements=False)
-    with pytest.raises(TypeError, match="dask=True"):
-        ad.concat([lazy, lazy])
+    expected = sp.vstack([source.X, source.X])
+    # lazy + lazy stays lazy: a dask array over the tiles of both, X and the counts layer
+    both = ad.concat([lazy, lazy])
+    assert isinstance(both.X, da.Array) and isinstance(both.layers["counts"], da.Array)
+    assert (sp.csr_matrix(both.X.compute()) != expected).nnz == 0
+    assert (sp.csr_matrix(both.layers["counts"].compute())
+            != sp.vstack([source.layers["counts"]] * 2)).nnz == 0  # fmt: skip
+    # lazy + a dense in-memory X: an in-memory CSR result
+    bare = lazy.copy()
+    del bare.layers["counts"], bare.raw
+    dense = bare.to_memory()
+    dense.X = dense.X.toarray()
+    mixed = ad.concat([bare, dense])
+    assert sp.issparse(mixed.X) and (mixed.X != expected).nnz == 0
+    # lazy + in-memory sparse: anndata builds a CSR from X, which a lazy X refuses, saying why
+    with pytest.raises(ValueError) as caught:
+        ad.concat([bare, bare.to_memory()])
+    assert "dask=True" in str(caught.value.__cause__)
     in_memory = ad.concat([lazy.to_memory(), lazy.to_memory()])
-    assert (in_memory.X != sp.vstack([source.X, source.X])).nnz == 0
+    assert (in_memory.X != expected).nnz == 0
     dask = dc.read_deltacells(root, dask=True, elements=False)
-    both = ad.concat([dask, dask])
-    assert (sp.csr_matrix(both.X.compute()) != sp.vstack([source.X, source.X])).nnz == 0
+    mixed = ad.concat([dask, lazy.to_memory()[:, :50]], join="inner")
+    assert (sp.csr_matrix(mixed.X) != sp.vstack([source.X[:, :50]] * 2)).nnz == 0
+
+
+def test_numpy_functions_on_lazy_x(stored):
+    root, source = stored
+    X = dc.read_deltacells(root, elements=False).X
+    np.testing.assert_allclose(np.asarray(np.sum(X, axis=0)), np.asarray(source.X.sum(axis=0)))
+    np.testing.assert_allclose(
+        np.asarray(np.mean(X, axis=1)), np.asarray(source.X.mean(axis=1)), rtol=1e-6
+    )
+    with pytest.raises(TypeError, match=r"numpy\.argmax on X needs the matrix in memory"):
+        np.argmax(X)
 
 
 sc = pytest.importorskip("scanpy")

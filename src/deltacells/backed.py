@@ -313,6 +313,17 @@ class DeltacellsCSRDataset(CSRDataset):
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         raise TypeError(_LAZY_ADVICE.format(what="converting X to a numpy array"))
 
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        # numpy hands its functions to this method when an argument is a lazy X.
+        # ``anndata.concat`` joins matrices it does not know with ``np.concatenate``.
+        if func is np.concatenate:
+            return _concatenate(*args, **kwargs)
+        if func is np.sum:
+            return _reduce_with(DeltacellsCSRDataset.sum, *args, **kwargs)
+        if func is np.mean:
+            return _reduce_with(DeltacellsCSRDataset.mean, *args, **kwargs)
+        raise TypeError(_LAZY_ADVICE.format(what=f"numpy.{func.__name__} on X"))
+
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes this class lacks: numpy and scipy methods scanpy and
         # others call on an in-memory X. Say what to do instead of a confusing failure later.
@@ -365,6 +376,51 @@ class DeltacellsCSRDataset(CSRDataset):
         matrix = sp.csr_matrix((values, indices, indptr), shape=self.shape, copy=False)
         matrix.has_canonical_format = True
         return matrix
+
+
+def _concatenate(
+    arrays: Sequence[Any], axis: int | None = 0, out: Any = None, **kwargs: Any
+) -> Any:
+    """``np.concatenate`` with lazy matrices among ``arrays``.
+
+    All lazy (or dask): a lazy dask array, one chunk per tile, so concatenating datasets
+    reads nothing until the result is computed. Any operand already in memory: the result
+    is in memory too (as anndata does when it mixes dask and in-memory matrices), a CSR
+    matrix built tile by tile without a dense copy.
+    """
+    if out is not None or kwargs or axis not in (0, 1, -1, -2):
+        raise TypeError(_LAZY_ADVICE.format(what="numpy.concatenate with these options on X"))
+    arrays = list(arrays)
+    axis = axis % 2
+    try:
+        import dask.array as da
+    except ImportError:  # pragma: no cover - dask is optional
+        da = None
+    if da is not None and all(isinstance(a, DeltacellsCSRDataset | da.Array) for a in arrays):
+        return da.concatenate([a.to_dask() if isinstance(a, DeltacellsCSRDataset) else a
+                               for a in arrays], axis=axis)  # fmt: skip
+    parts = []
+    for a in arrays:
+        if isinstance(a, DeltacellsCSRDataset):
+            a = a.to_memory()
+        elif da is not None and isinstance(a, da.Array):
+            a = a.compute()
+        parts.append(a if sp.issparse(a) else sp.csr_matrix(np.asarray(a)))
+    return (sp.vstack, sp.hstack)[axis](parts, format="csr")
+
+
+def _reduce_with(
+    method: Callable,
+    a: Any,
+    axis: int | None = None,
+    dtype: DTypeLike = None,
+    out: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """``np.sum`` / ``np.mean`` on a lazy X: the tile-by-tile reductions."""
+    if kwargs:
+        raise TypeError(_LAZY_ADVICE.format(what=f"a reduction with {sorted(kwargs)} on X"))
+    return method(a, axis=axis, dtype=dtype, out=out)
 
 
 def _into(result: Any, out: Any) -> Any:
@@ -497,8 +553,13 @@ def read_deltacells(
     """
     dataset = open_dataset(url_or_path, storage_options=storage_options, timeout=timeout,
                            deadline=deadline)  # fmt: skip
-    options = {"column_order": column_order, "values_dtype": values_dtype,
-               "n_threads": n_threads, "tile_cache_bytes": tile_cache_bytes, "dask": dask}
+    options = {
+        "column_order": column_order,
+        "values_dtype": values_dtype,
+        "n_threads": n_threads,
+        "tile_cache_bytes": tile_cache_bytes,
+        "dask": dask,
+    }
     X = _lazy_matrix(dataset, options)
     var = _var(dataset, column_order)
     obs_frame = _obs(dataset, obs, cache_dir)
