@@ -48,3 +48,40 @@ def test_scanpy_pipeline_on_dask_matches_in_memory(liao_paths):
         np.abs(np.asarray(hvg_lazy.obsm["X_pca"])), np.abs(hvg_eager.obsm["X_pca"]),
         rtol=1e-2, atol=1e-2,
     )  # fmt: skip
+
+
+def test_graphs_are_named_by_the_stored_data(liao_paths, tmp_path):
+    """The same dataset gives the same dask names (so dask can share results); another
+    values dtype or another dataset gives others."""
+    first = dc.read_deltacells(liao_paths, dask=True).X
+    assert first.name == dc.read_deltacells(liao_paths, dask=True).X.name
+    assert first.name != dc.read_deltacells(liao_paths, dask=True, values_dtype="float64").X.name
+    other = tmp_path / "other"
+    dc.write_deltacells(DATA_DIR / "liao2020_balf.h5ad", other, tile_size=4096, progress=False)
+    assert first.name != dc.read_deltacells(other, dask=True).X.name
+
+
+def test_unpickling_reopens_once_per_process_and_notices_a_rewrite(tmp_path, monkeypatch):
+    """dask pickles tasks to name them and its workers unpickle every task: the manifest is
+    fetched once per process, and a dataset overwritten since pickling is refused."""
+    import pickle
+
+    from test_writer import small_adata
+
+    import deltacells.dataset as dataset_module
+
+    root = tmp_path / "d"
+    dc.write_deltacells(small_adata(n_cells=300), root, tile_size=100, progress=False)
+    blob = pickle.dumps(dc.read_deltacells(root, elements=False).X)
+    opened = []
+    real_open = dataset_module.open_dataset
+    monkeypatch.setattr(dataset_module, "open_dataset",
+                        lambda *a, **k: opened.append(1) or real_open(*a, **k))  # fmt: skip
+    copies = [pickle.loads(blob) for _ in range(5)]
+    assert len(opened) == 1
+    assert all((c[:] != copies[0][:]).nnz == 0 for c in copies)
+    dc.write_deltacells(small_adata(n_cells=300, seed=9), root, tile_size=100, overwrite=True,
+                        progress=False)  # fmt: skip
+    dataset_module._REOPENED.clear()
+    with pytest.raises(dc.FormatError, match="changed since this object was made"):
+        pickle.loads(blob)

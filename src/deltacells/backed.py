@@ -16,7 +16,13 @@ from anndata.abc import CSRDataset
 from numpy.typing import DTypeLike
 
 from deltacells.codec import Tile, _value_dtype, empty_output
-from deltacells.dataset import Dataset, gather_cells, group_by_tile, open_dataset
+from deltacells.dataset import (
+    Dataset,
+    gather_cells,
+    group_by_tile,
+    open_dataset,
+    reopen_dataset,
+)
 from deltacells.format import FormatError
 from deltacells.manifest import MANIFEST_NAME, StoredParts, tile_name
 from deltacells.obs_dtypes import restore_dtypes
@@ -121,6 +127,7 @@ class DeltacellsCSRDataset(CSRDataset):
         # builds its own tile cache, which also makes it safe across fork and spawn.
         return {
             "store": self.dataset.store,  # pickles as its location and options
+            "manifest_digest": self.dataset.manifest_digest,
             "column_order": self.column_order,
             "values_dtype": self.dtype.str,
             "n_threads": self.n_threads,
@@ -128,7 +135,7 @@ class DeltacellsCSRDataset(CSRDataset):
         }
 
     def __setstate__(self, state: dict) -> None:
-        dataset = open_dataset(state["store"])
+        dataset = reopen_dataset(state["store"], state.get("manifest_digest"))
         self.__init__(
             dataset,
             column_order=state["column_order"],
@@ -136,6 +143,15 @@ class DeltacellsCSRDataset(CSRDataset):
             n_threads=state["n_threads"],
             tile_cache_bytes=state["tile_cache_bytes"],
         )
+
+    def __dask_tokenize__(self) -> tuple:
+        # Without this, dask names a task by pickling it, and unpickling reopens the dataset:
+        # a manifest fetch per graph built. The manifest (tile sizes and CRCs) identifies the
+        # stored data.
+        m = self.dataset.manifest
+        return ("deltacells", self.dataset.store.describe(), m.n_cells, m.n_genes,
+                tuple(m.tile_bytes), tuple(m.tile_crc32 or ()), self.column_order,
+                self.dtype.str)  # fmt: skip
 
     def __repr__(self) -> str:
         return (
@@ -252,9 +268,13 @@ class DeltacellsCSRDataset(CSRDataset):
             raise ImportError("to_dask needs dask: pip install 'deltacells[dask]'") from err
         m = self.dataset.manifest
         meta = sp.csr_matrix((0, self.shape[1]), dtype=self.dtype)
+        # Keys named from the stored data's identity: the same dataset gives the same graph,
+        # and dask never pickles this object to name a task (unpickling reopens the dataset).
+        token = dask.base.tokenize(self)
+        decode = dask.delayed(_decode_tile, name=f"deltacells-decode-{token}", pure=True)
         blocks = [
             da.from_delayed(
-                dask.delayed(self.tile_matrix)(t),
+                decode(self, t, dask_key_name=f"deltacells-tile-{token}-{t}"),
                 shape=(m.tile_cells[t], self.shape[1]),
                 dtype=self.dtype,
                 meta=meta,
@@ -376,6 +396,12 @@ class DeltacellsCSRDataset(CSRDataset):
         matrix = sp.csr_matrix((values, indices, indptr), shape=self.shape, copy=False)
         matrix.has_canonical_format = True
         return matrix
+
+
+def _decode_tile(matrix: DeltacellsCSRDataset, index: int) -> sp.csr_matrix:
+    """One dask task: tile ``index`` of ``matrix`` (a plain function, so that dask names the
+    task by the matrix's token instead of pickling a bound method)."""
+    return matrix.tile_matrix(index)
 
 
 def _concatenate(
@@ -529,14 +555,14 @@ def read_deltacells(
     storage_options
         fsspec options for URLs.
     cache_dir
-        Where obs columns are cached (see :func:`deltacells.obscache.cache_root`).
+        Where obs columns are cached (see :func:`~deltacells.obscache.cache_root`).
     n_threads
         Decoding threads; ``None`` resolves like scikit-learn.
     tile_cache_bytes
         Most bytes of parsed tiles kept in memory.
     dask
         Make X a dask array with one scipy-CSR chunk per tile (see
-        :meth:`DeltacellsCSRDataset.to_dask`) instead of the lazy CSR dataset.
+        :meth:`~deltacells.DeltacellsCSRDataset.to_dask`) instead of the lazy CSR dataset.
     timeout, deadline
         Remote stores: seconds one request may take before it is retried, and seconds one
         read may take in all, retries included (see :func:`~deltacells.open_dataset`).

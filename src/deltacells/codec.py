@@ -244,7 +244,7 @@ def encode_tile(
     Raises
     ------
     ValueError
-        For values that are not counts, or a tile with more than :func:`exception_limit`
+        For values that are not counts, or a tile with more than :func:`.exception_limit`
         exceptions of either kind.
     """
     if int(n_chunks) < 1:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -55,11 +57,17 @@ class Dataset:
         Where the dataset lives.
     manifest
         The validated manifest.
+    manifest_digest
+        SHA-256 of the manifest's bytes as read (``None`` if not read from the store); a
+        dataset reopened from a pickle must have the same.
     """
 
-    def __init__(self, store: Store, manifest: Manifest) -> None:
+    def __init__(self, store: Store, manifest: Manifest,
+                 manifest_digest: str | None = None) -> None:  # fmt: skip
         self.store = store
         self.manifest = manifest
+        self.manifest_digest = manifest_digest
+        self._gene_order: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -135,15 +143,19 @@ class Dataset:
     # -- genes ---------------------------------------------------------------------------------
 
     def gene_order(self) -> np.ndarray | None:
-        """``gene_order[j]`` is the source column of stored column ``j`` (None if absent)."""
+        """``gene_order[j]`` is the source column of stored column ``j`` (None if absent).
+
+        Read and checked once per opened dataset; each call returns a fresh copy."""
         if not self.manifest.has_gene_order:
             return None
-        where = self.store.describe(GENE_ORDER_NAME)
-        n = self.manifest.n_genes
-        order = self.load_npy(GENE_ORDER_NAME, n)
-        if not np.array_equal(np.sort(order), np.arange(n)):
-            raise FormatError(f"{where}: not a permutation of 0..{n - 1}")
-        return order.astype(np.int64)
+        if self._gene_order is None:
+            where = self.store.describe(GENE_ORDER_NAME)
+            n = self.manifest.n_genes
+            order = self.load_npy(GENE_ORDER_NAME, n)
+            if not np.array_equal(np.sort(order), np.arange(n)):
+                raise FormatError(f"{where}: not a permutation of 0..{n - 1}")
+            self._gene_order = order.astype(np.int64)
+        return self._gene_order.copy()
 
     def load_npy(self, name: str, length: int) -> np.ndarray:
         """A 1-D integer ``.npy`` file of ``length`` entries, its header checked against the
@@ -540,7 +552,42 @@ def open_dataset(
         raise FileNotFoundError(f"{store.describe()}: no deltacells dataset there")
     text = store.read_bytes(MANIFEST_NAME, max_size=MAX_MANIFEST_BYTES)
     manifest = Manifest.from_json_text(text, store.describe(MANIFEST_NAME))
-    return Dataset(store, manifest)
+    return Dataset(store, manifest, hashlib.sha256(text).hexdigest())
+
+
+#: Datasets reopened from pickles in this process (most recent last). dask pickles a task to
+#: name it, and its workers unpickle every task they run: one manifest fetch per process and
+#: dataset serves them all instead of one per task.
+_REOPENED: OrderedDict[tuple, Dataset] = OrderedDict()
+_REOPENED_LOCK = threading.Lock()
+_REOPENED_MAX = 16
+
+
+def reopen_dataset(store: Store, manifest_digest: str | None) -> Dataset:
+    """The dataset at ``store`` for an object unpickled in this process, opened once.
+
+    Raises
+    ------
+    FormatError
+        When the manifest there is not the one the pickled object was made from (the dataset
+        was overwritten since): its tiles would no longer match what the object knows.
+    """
+    key = (store.url, repr(sorted(store.storage_options.items())),
+           tuple(sorted(store._options().items())), manifest_digest)  # fmt: skip
+    with _REOPENED_LOCK:
+        dataset = _REOPENED.get(key)
+        if dataset is not None:
+            _REOPENED.move_to_end(key)
+            return dataset
+    dataset = open_dataset(store)
+    if manifest_digest is not None and dataset.manifest_digest != manifest_digest:
+        raise FormatError(f"{store.describe(MANIFEST_NAME)}: the dataset changed since this "
+                          "object was made (another manifest); open it again")  # fmt: skip
+    with _REOPENED_LOCK:
+        _REOPENED[key] = dataset
+        while len(_REOPENED) > _REOPENED_MAX:
+            _REOPENED.popitem(last=False)
+    return dataset
 
 
 def group_by_tile(

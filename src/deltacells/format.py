@@ -180,7 +180,7 @@ class TileLayout(TileHeader):
     Attributes
     ----------
     chunks
-        ``int64`` array of shape ``(n_chunks, 12)`` with the fields of :data:`CHUNK_FIELDS`
+        ``int64`` array of shape ``(n_chunks, 12)`` with the fields of :data:`.CHUNK_FIELDS`
         (version 1 tables are widened with zero-length exception frames).
     indptr
         ``int64`` array of ``n_cells + 1`` row offsets (a copy, owned by this object).

@@ -265,8 +265,8 @@ class Manifest:
     obs_shard_sha256: list[str] | None = None
     obs_fingerprint: str | None = None
     metadata: dict = field(default_factory=dict)
-    #: Each tile's CRC-32 (its header's), in tile order: ties every tile file to its place,
-    #: so tiles swapped together with their counts are found. Optional (older datasets).
+    #: Each tile's CRC-32 (its header's), in tile order. This ties every tile file to its
+    #: place, so tiles swapped together with their counts are found. Optional (older datasets).
     tile_crc32: list[int] | None = None
 
     @property
@@ -281,7 +281,7 @@ class Manifest:
 
     @property
     def limits(self) -> np.ndarray:
-        """Cumulative cell counts: tile ``i`` holds cells ``limits[i-1]:limits[i]``."""
+        """Cumulative cell counts (tile ``i`` holds cells ``limits[i-1]`` to ``limits[i]``)."""
         return np.cumsum(np.asarray(self.tile_cells, dtype=np.int64))
 
     @property

@@ -338,7 +338,7 @@ class Store:
     def read_bytes(self, name: str, max_size: int | None = None) -> bytes:
         """The whole object ``name``.
 
-        With ``max_size``, an object larger than that raises :class:`FormatError` before it
+        With ``max_size``, an object larger than that raises :class:`.FormatError` before it
         is read (for files whose size no manifest records, e.g. the manifest itself).
         """
         if max_size is not None:
@@ -354,7 +354,7 @@ class Store:
         """The whole object ``name`` as a ``uint8`` array.
 
         With ``size`` (what a manifest says the object holds) an object of another size raises
-        :class:`FormatError` before anything that size is allocated: local files are checked
+        :class:`.FormatError` before anything that size is allocated: local files are checked
         with ``fstat``, remote ones are read only up to one byte past ``size``. ``max_size``
         likewise refuses objects larger than that. Local files are read into memory from
         pyarrow's pool: large reads into fresh ``bytes`` cost a page fault per 4 KiB, about

@@ -106,7 +106,7 @@ def check_rejects_or_decodes(blob: bytes, *, verify_crc: bool = True) -> str:
     ------
     AssertionError
         If the decoder returns a malformed matrix (indices unsorted, out of range, or a shape
-        other than the header's), or raises anything but :class:`FormatError`.
+        other than the header's), or raises anything but :class:`.FormatError`.
     """
     try:
         tile = Tile(blob, verify_crc=verify_crc, n_threads=2)
@@ -390,7 +390,7 @@ def _mutate_json(obj, rng: np.random.Generator):
 
 def fuzz_manifests(root: str | Path, n_mutants: int, *, seed: int = 0) -> FuzzReport:
     """Damage ``root``'s manifest ``n_mutants`` times (values, keys, lists, duplicate keys,
-    truncation) and read everything back each time: only :class:`FormatError` may come out.
+    truncation) and read everything back each time: only :class:`.FormatError` may come out.
 
     ``root`` is copied; the original is never changed.
     """
@@ -419,7 +419,7 @@ def fuzz_manifests(root: str | Path, n_mutants: int, *, seed: int = 0) -> FuzzRe
 def fuzz_obs_shards(root: str | Path, n_mutants: int, *, seed: int = 0) -> FuzzReport:
     """Damage ``root``'s first obs shard ``n_mutants`` times (bit flips, random bytes,
     truncation, footer damage), record its size, hash and the obs fingerprint in the manifest
-    as a writer would, and read everything back: only :class:`FormatError` may come out (the
+    as a writer would, and read everything back: only :class:`.FormatError` may come out (the
     parquet format has no checksums, so some damage reads back as other values)."""
     from deltacells.manifest import OBS_SCHEMA_NAME, obs_fingerprint, obs_shard_name
 

@@ -56,8 +56,8 @@ from deltacells.storage import Store, open_store
 
 __all__ = ["DEFAULT_TILE_SIZE", "OBS_INDEX_COLUMN", "write_deltacells"]
 
-#: Cells per tile by default: about 3 MB per tile on typical 10x data, a good object size for
-#: one GET, and small enough that shuffling buffers of several tiles stay modest.
+#: Cells per tile by default. That is about 3 MB per tile on typical 10x data, a good object
+#: size for one GET, and small enough that shuffling buffers of several tiles stay modest.
 DEFAULT_TILE_SIZE = 4096
 CELL_ORDER_NAME = "cell_order.npy"
 JOINS = ("same", "inner", "outer")
@@ -698,7 +698,7 @@ def write_deltacells(
         Target directory or fsspec URL. It must be empty unless ``overwrite=True`` (which only
         replaces an existing deltacells dataset).
     tile_size
-        Cells per tile. ``None`` (default): :data:`DEFAULT_TILE_SIZE`, or fewer for data with
+        Cells per tile. ``None`` (default): :data:`.DEFAULT_TILE_SIZE`, or fewer for data with
         many counts above 65535 (each such count is an exception, and a tile may hold at most
         ``max(1024, nnz / 200)``): the writer then picks the largest size that fits and warns.
         An explicit size that cannot hold the data is refused naming the size that would.
