@@ -67,6 +67,22 @@ def test_tiles_swapped_with_their_manifest_entries(dataset_dir, capsys):
         dc.read_deltacells(dataset_dir).X[:10]
 
 
+@pytest.mark.parametrize("version", [1, 3, 0x0200])
+def test_damaged_version_field_of_a_tile_header(dataset_dir, version, capsys):
+    """The header is outside the CRC: a damaged version field is told apart from a tile of a
+    newer format by the manifest's version, for reads and for verify."""
+    tile = dataset_dir / "tiles" / "tile_000000.dct"
+    data = bytearray(tile.read_bytes())
+    data[8:12] = version.to_bytes(4, "little")
+    tile.write_bytes(bytes(data))
+    message = rf"tile_000000\.dct: the header says tile version {version}, but the dataset is " \
+        r"version 2 \(its manifest\): the tile's header is damaged"  # fmt: skip
+    with pytest.raises(dc.FormatError, match=message):
+        dc.read_deltacells(dataset_dir, elements=False).X[0]
+    assert main(["verify", str(dataset_dir)]) == 1
+    assert "the tile's header is damaged" in capsys.readouterr().err
+
+
 def test_duplicate_json_keys_are_refused(dataset_dir):
     text = (dataset_dir / "manifest.json").read_text()
     (dataset_dir / "manifest.json").write_text(text.replace('"n_genes"', '"n_cells": 1, "n_genes"'))

@@ -19,7 +19,7 @@ import pyarrow as pa
 import scipy.sparse as sp
 
 from deltacells.codec import Tile, empty_output
-from deltacells.format import FormatError
+from deltacells.format import HEADER_SIZE, MAGIC, FormatError
 from deltacells.manifest import (
     GENE_ORDER_NAME,
     MANIFEST_NAME,
@@ -109,8 +109,9 @@ class Dataset:
             raise IndexError(f"tile {index} out of range ({self.manifest.n_tiles} tiles)")
         name = self.store.describe(tile_name(index))
         blob = self.tile_blob(index) if blob is None else self._checked_blob(index, blob)
-        tile = Tile(blob, name=name, verify_crc=verify_crc, n_threads=n_threads)
         m = self.manifest
+        self._check_tile_version(blob, name)
+        tile = Tile(blob, name=name, verify_crc=verify_crc, n_threads=n_threads)
         if tile.shape != (m.tile_cells[index], m.n_genes) or tile.nnz != m.tile_nnz[index]:
             raise FormatError(
                 f"{name}: holds {tile.shape[0]} cells x {tile.shape[1]} genes, {tile.nnz} "
@@ -123,6 +124,20 @@ class Dataset:
                 f"the manifest records for tile {index} (tiles swapped or replaced)"
             )
         return tile
+
+    def _check_tile_version(self, blob: Any, name: str) -> None:
+        # A dataset's tiles have its manifest's version. The header is outside the CRC, so a
+        # damaged version field would otherwise read as "unsupported tile version 3".
+        head = memoryview(blob).cast("B")[:HEADER_SIZE]
+        if len(head) < 12 or bytes(head[:8]) != MAGIC:
+            return  # the tile parser names what is wrong
+        version = int.from_bytes(head[8:12], "little")
+        if version != self.manifest.version:
+            raise FormatError(
+                f"{name}: the header says tile version {version}, but the dataset is version "
+                f"{self.manifest.version} (its manifest): the tile's header is damaged (the "
+                "CRC does not cover it) or the tile comes from another dataset"
+            )
 
     def check_tile_sizes(self, indices: Sequence[int] | None = None) -> None:
         """Check that tiles ``indices`` (default: all) have the sizes the manifest says.

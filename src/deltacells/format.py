@@ -216,7 +216,8 @@ def parse_header(buf, where: str = "<tile>") -> TileHeader:
     if magic != MAGIC:
         raise _fail(where, f"bad magic {magic!r} (expected {MAGIC!r}); not a deltacells tile")
     if version not in READABLE_VERSIONS:
-        raise _fail(where, f"unsupported tile version {version} (this reader knows 1 and 2)")
+        raise _fail(where, f"unsupported tile version {version} (this reader knows 1 and 2): "
+                           "written by a newer deltacells, or the header is damaged")  # fmt: skip
     if flags != 0:
         raise _fail(where, f"unknown flags 0x{flags:08x} (must be 0)")
     if reserved != 0:
