@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import platform
 from importlib.metadata import PackageNotFoundError, version
@@ -29,6 +30,7 @@ def machine() -> dict:
         except PackageNotFoundError:
             versions[name] = None
     return {
+        "date": datetime.date.today().isoformat(),
         "cpu": cpu,
         "usable_cpus": len(os.sched_getaffinity(0)),
         "python": platform.python_version(),
@@ -55,11 +57,41 @@ def median_time(fn, repeats: int, *, warmup: bool = False) -> float:
     return statistics.median(times)
 
 
-def save_figure(fig, path: Path) -> None:
-    """Lay out and write a matplotlib figure, creating its folder."""
+#: Figures are drawn at the docs' text width (about 750 px), panels stacked, so that nothing is
+#: shrunk on the page: 7.5 in at 130 dpi, 10 pt text.
+PAGE_WIDTH_IN = 7.5
+FIGURE_DPI = 130
+
+
+def page_figure(n_panels: int = 1, panel_height: float = 3.0):
+    """A figure as wide as the docs' text with ``n_panels`` axes stacked top to bottom."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"font.size": 10, "legend.fontsize": 9})
+    fig, axes = plt.subplots(n_panels, 1, figsize=(PAGE_WIDTH_IN, panel_height * n_panels + 0.4),
+                             squeeze=False)  # fmt: skip
+    return fig, list(axes[:, 0])
+
+
+def machine_label(results: dict) -> str:
+    """The same machine line on every plot: CPU, usable CPUs, Python, date of the run."""
+    m = results["machine"]
+    line = f"{m['cpu']}, {m['usable_cpus']} CPUs, Python {m['python']}"
+    return line + (f", run on {m['date']}" if m.get("date") else "")
+
+
+def save_figure(fig, path: Path, title: str | None = None, results: dict | None = None) -> None:
+    """Lay out and write a matplotlib figure, creating its folder; ``title`` and the machine
+    line of ``results`` go on top."""
+    if title is not None or results is not None:
+        lines = [t for t in (title, machine_label(results) if results else None) if t]
+        fig.suptitle("\n".join(lines), fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=FIGURE_DPI)
 
 
 def stacked_adata(source: Path, n_cells: int, seed: int = 0):

@@ -22,7 +22,7 @@ import h5py
 import numpy as np
 import scipy.sparse as sp
 import zstandard
-from _common import machine, median_time, save_figure
+from _common import machine, median_time, page_figure, save_figure
 
 import deltacells as dc
 from deltacells import _kernels
@@ -193,12 +193,7 @@ def level_table(matrix: sp.csr_matrix, levels: list[int], repeats: int) -> list[
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = page_figure(3, panel_height=2.6)
     sizes = results["sizes_bytes_per_nnz"]
     names = list(sizes)
     axes[0].barh(names, [sizes[n] for n in names], color="tab:blue")
@@ -207,8 +202,8 @@ def plot(results: dict, path: Path) -> None:
     speeds = results["decode"]["10k-cell tiles"]
     keys = [k for k in speeds if not k.startswith(("ratio", "speedup", "crc", "rounds"))]
     axes[1].barh(keys, [speeds[k] / 1e6 for k in keys], color="tab:green")
-    axes[1].set_xlabel("million nonzeros / s")
-    axes[1].set_title("Decode, 10k-cell tiles (higher is better)")
+    axes[1].set_xlabel("million nonzeros / s (higher is better)")
+    axes[1].set_title("Decode, 10k-cell tiles")
     table = results["levels"]
     axes[2].plot([r["encode_mnnz_per_s"] for r in table], [r["bytes_per_nnz"] for r in table], "o-")
     for r in table:
@@ -216,9 +211,8 @@ def plot(results: dict, path: Path) -> None:
     axes[2].set_xscale("log")
     axes[2].set_xlabel("encode Mnnz/s (log)")
     axes[2].set_ylabel("bytes per nonzero")
-    axes[2].set_title("zstd level trade-off")
-    fig.suptitle(f"deltacells codec on {results['data']} ({results['machine']['cpu']})", fontsize=9)
-    save_figure(fig, path)
+    axes[2].set_title("zstd level trade-off (labels: level)")
+    save_figure(fig, path, f"deltacells codec on {results['data']}", results)
 
 
 def main() -> None:

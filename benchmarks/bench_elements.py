@@ -21,7 +21,7 @@ from pathlib import Path
 import anndata as ad
 import numpy as np
 import scipy.sparse as sp
-from _common import machine, median_time, save_figure
+from _common import machine, median_time, page_figure, save_figure
 
 import deltacells as dc
 
@@ -94,14 +94,9 @@ def table(results: dict) -> None:
 
 
 def plot(results: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     labels = list(results["cases"])
     sizes = [results["cases"][k]["obsm_mb"] for k in labels]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = page_figure(2, panel_height=2.8)
     for mode in ("elements_false", "elements_lazy", "elements_true"):
         left.plot(sizes, [results["cases"][k][mode]["open_ms"] for k in labels], "o-", label=mode)
         right.plot(sizes, [results["cases"][k][mode]["slice_ms"] for k in labels], "o-",
@@ -109,15 +104,13 @@ def plot(results: dict) -> None:
     left.plot(sizes, [results["cases"][k]["anndata_backed_h5ad"]["open_ms"] for k in labels],
               "s--", label="anndata read_h5ad(backed='r')")  # fmt: skip
     left.set(xlabel="obsm size (MB)", ylabel="open (ms, median)", title="read_deltacells open")
-    right.set(xlabel="obsm size (MB)", ylabel="4,096 random cells (ms, median)",
-              title="slicing X")  # fmt: skip
+    right.set(xlabel="obsm size (MB)", ylabel="ms (median)",
+              title="slicing X: 4,096 random cells")  # fmt: skip
     left.set_ylim(bottom=0)
     right.set_ylim(bottom=0)
-    left.legend(fontsize=8)
-    right.legend(fontsize=8)
-    fig.suptitle(f"{results['machine']['cpu']}, {results['machine']['usable_cpus']} CPUs",
-                 fontsize=9)  # fmt: skip
-    save_figure(fig, ROOT / "docs" / "_static" / "bench_elements.png")
+    left.legend()
+    right.legend()
+    save_figure(fig, ROOT / "docs" / "_static" / "bench_elements.png", results=results)
 
 
 if __name__ == "__main__":

@@ -148,26 +148,18 @@ def annbatch_python(explicit: str | None) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     runs = results["runs"]
     names = list(runs)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    from _common import page_figure, save_figure
+
+    fig, axes = page_figure(2, panel_height=0.3 * len(names) + 0.9)
     axes[0].barh(names, [runs[n]["cells_per_s"] for n in names], color="tab:blue")
     axes[0].set_xscale("log")
     axes[0].set_xlabel("cells / s, log scale (higher is better)")
     axes[1].barh(names, [runs[n]["peak_rss_mb"] for n in names], color="tab:orange")
     axes[1].set_xlabel("peak RSS, MB (lower is better)")
-    axes[1].set_yticks([])
-    fig.suptitle(f"One epoch, {results['n_cells']:,} cells, batch {results['batch_size']} "
-                 f"({results['machine']['cpu']}, {results['machine']['usable_cpus']} CPUs)",
-                 fontsize=9)  # fmt: skip
-    from _common import save_figure
-
-    save_figure(fig, path)
+    save_figure(fig, path, f"One epoch, {results['n_cells']:,} cells, batch "
+                f"{results['batch_size']}", results)  # fmt: skip
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import anndata as ad
 import h5py
 import numpy as np
 import zarr
-from _common import MotoS3, machine, median_time, save_figure, stacked_adata
+from _common import MotoS3, machine, median_time, page_figure, save_figure, stacked_adata
 
 import deltacells as dc
 from deltacells.obscache import ObsCache
@@ -272,11 +272,6 @@ def s3_suite(paths: dict[str, Path], n_cells: int, repeats: int, cache_dir: Path
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     local = {k: v for k, v in results["local"].items() if k not in ("ratios", "bytes")}
     keys = [
         "random_4096_unsorted_s",
@@ -285,18 +280,16 @@ def plot(results: dict, path: Path) -> None:
         "to_memory_s",
         "obs_column_s",
     ]
-    fig, ax = plt.subplots(figsize=(11, 4.2))
+    fig, (ax,) = page_figure(1, panel_height=4.2)
     width = 0.8 / len(local)
     for i, (tool, row) in enumerate(local.items()):
         ax.bar(np.arange(len(keys)) + i * width, [row[k] for k in keys], width, label=tool)
-    ax.set_xticks(np.arange(len(keys)) + 0.4 - width / 2, [k.removesuffix("_s") for k in keys])
+    ax.set_xticks(np.arange(len(keys)) + 0.4 - width / 2,
+                  [k.removesuffix("_s").replace("_", "\n", 1) for k in keys])  # fmt: skip
     ax.set_yscale("log")
     ax.set_ylabel("seconds (median, lower is better)")
-    ax.legend(fontsize=8)
-    ax.set_title(
-        f"Reads from {results['n_cells']:,} cells, local ({results['machine']['cpu']})", fontsize=9
-    )
-    save_figure(fig, path)
+    ax.legend(fontsize=8, ncols=2)
+    save_figure(fig, path, f"Reads from {results['n_cells']:,} cells, local disk", results)
 
 
 def layout_table(results: dict) -> str:

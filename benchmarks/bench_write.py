@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import machine, save_figure, stacked_adata
+from _common import machine, page_figure, save_figure, stacked_adata
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
@@ -109,12 +109,7 @@ def measure(job: str, src: Path, workdir: Path, level: int, repeats: int) -> dic
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, axes = page_figure(2, panel_height=3.0)
     sizes = sorted(results["conversions"], key=int)
     jobs = [r["job"] for r in results["conversions"][sizes[0]]]
     for job in jobs:
@@ -128,8 +123,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xlabel("cells")
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
-    fig.suptitle(f"Conversion on {results['machine']['cpu']} ({results['command']})", fontsize=9)
-    save_figure(fig, path)
+    save_figure(fig, path, "Conversion", results)
 
 
 def main() -> None:
