@@ -67,6 +67,14 @@ class _Source:
             return {}
         return dict(ad.io.read_elem(self._group[name]))
 
+    def obsm_entry(self, key: str) -> Any:
+        """``obsm[key]`` alone (None if absent), without reading the other obsm arrays."""
+        if self.adata is not None:
+            return self.adata.obsm[key] if key in self.adata.obsm else None
+        if "obsm" not in self._group or key not in self._group["obsm"]:
+            return None
+        return ad.io.read_elem(self._group["obsm"][key])
+
     def layer_names(self) -> list[str]:
         if self.adata is not None:
             return list(self.adata.layers)

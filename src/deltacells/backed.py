@@ -538,6 +538,8 @@ def read_deltacells(
     timeout: float | None = None,
     deadline: float | None = None,
     elements: bool | str = True,
+    bbox: tuple[float, float, float, float] | None = None,
+    bbox_mode: str = "intersects",
 ) -> ad.AnnData:
     """Open a deltacells dataset as an AnnData with a lazily decoded X.
 
@@ -571,6 +573,12 @@ def read_deltacells(
         matrices like X (always); obsm, varm, obsp, varp, uns and other layers read into
         memory (``True``), as dask arrays that read their chunks when computed (``"lazy"``;
         uns is read whole), or not at all (``False``).
+    bbox, bbox_mode
+        For a dataset written in spatial order: only the cells in the box (xmin, ymin, xmax,
+        ymax), selected as :meth:`Dataset.query_bbox` does (``"intersects"``: the cell's
+        shape touches the box, borders included; ``"centroid"``: its centroid is in the
+        box). The result is a view of the lazy AnnData, in stored (spatial) order; X decodes
+        only the tiles those cells are in.
 
     Returns
     -------
@@ -589,8 +597,10 @@ def read_deltacells(
     X = _lazy_matrix(dataset, options)
     var = _var(dataset, column_order)
     obs_frame = _obs(dataset, obs, cache_dir)
+    rows = None if bbox is None else dataset.query_bbox(bbox, mode=bbox_mode).rows
     parts = _stored_parts(dataset, X, elements, options)
-    return ad.AnnData(X=X, obs=obs_frame, var=var, **parts)
+    adata = ad.AnnData(X=X, obs=obs_frame, var=var, **parts)
+    return adata if rows is None else adata[rows]
 
 
 def _lazy_matrix(dataset: Dataset, options: dict) -> Any:

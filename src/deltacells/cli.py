@@ -58,7 +58,18 @@ def _kept(manifest) -> list[str]:
     for name in record.get("elements") or []:
         what = "layers that are not counts" if name == "layers" else name
         lines.append(f"{what}: stored with anndata's element IO (anndata.zarr)")
+    spatial = meta.get("spatial_index")
+    if spatial:
+        lines.append(_spatial_line(spatial))
     return lines
+
+
+def _spatial_line(spatial: dict) -> str:
+    nx, ny = spatial["grid_shape"]
+    tx, ty = spatial["tile_size"]
+    mx, my = spatial["margin"]
+    return (f"spatial order: grid of {nx} x {ny} tiles of {tx:g} x {ty:g} from "
+            f"({spatial['origin'][0]:g}, {spatial['origin'][1]:g}), margin ({mx:g}, {my:g})")
 
 
 def _write(args: argparse.Namespace, sources):
@@ -76,6 +87,9 @@ def _write(args: argparse.Namespace, sources):
         join=args.join,
         shuffle=args.shuffle,
         seed=args.seed,
+        spatial_key=args.spatial_key,
+        shapes=args.shapes,
+        grid_tile_size=args.grid_tile_size,
         obs_exclude=args.obs_exclude,
         n_threads=args.threads,
         n_workers=args.workers,
@@ -112,6 +126,8 @@ def _info(args: argparse.Namespace) -> int:
             print(f"    raw: {'X itself' if stored['raw'] == '.' else 'counts, raw/'}")
         for name in stored["elements"]:
             print(f"    {'layers (not counts)' if name == 'layers' else name}: anndata.zarr")
+    if info.get("spatial_index"):
+        print(f"  {_spatial_line(info['spatial_index'])}")
     return 0
 
 
@@ -163,6 +179,7 @@ EXAMPLES = {
   deltacells convert pbmc.h5ad pbmc.dc
   deltacells convert a.h5ad b.h5ad atlas.dc --join inner --shuffle
   deltacells convert processed.h5ad out.dc --layer counts     # X from layers["counts"]
+  deltacells convert visium.h5ad visium.dc --spatial-key spatial  # for box queries
   deltacells convert in.h5ad s3://bucket/out.dc --overwrite""",
     "info": """examples:
   deltacells info pbmc.dc
@@ -207,6 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--shuffle", action="store_true",
                          help="write cells in a seeded random order (for training)")
     convert.add_argument("--seed", type=int, default=0, help="seed of --shuffle")
+    convert.add_argument("--spatial-key", metavar="KEY",
+                         help="store cells in spatial order by the grid tile of obsm[KEY] "
+                              "(x, y), for box queries (see docs/spatial.md)")  # fmt: skip
+    convert.add_argument("--shapes", metavar="GEOPARQUET",
+                         help="order by these cell shapes instead (one per obs name: points, "
+                              "circles with a radius column, polygons)")  # fmt: skip
+    convert.add_argument("--grid-tile-size", type=float, default=None, metavar="SIZE",
+                         help="side of the spatial grid's square tiles, in the coordinates' "
+                              "units (default: about 1,000 cells per tile)")  # fmt: skip
     convert.add_argument("--obs-exclude", nargs="*", default=[], metavar="COLUMN",
                          help="obs columns to leave out")
     convert.add_argument("--no-obs", action="store_true", help="do not write obs")

@@ -68,6 +68,7 @@ class Dataset:
         self.manifest = manifest
         self.manifest_digest = manifest_digest
         self._gene_order: np.ndarray | None = None
+        self._spatial: Any = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -124,6 +125,46 @@ class Dataset:
                 f"the manifest records for tile {index} (tiles swapped or replaced)"
             )
         return tile
+
+    def spatial_index(self):
+        """The dataset's :class:`~deltacells.spatial.SpatialIndex` (None unless it was written
+        in spatial order)."""
+        from deltacells.spatial import SpatialIndex
+
+        record = self.manifest.metadata.get("spatial_index")
+        if record is None:
+            return None
+        return SpatialIndex.from_json(record, self.store.describe(MANIFEST_NAME),
+                                      self.manifest.n_cells)  # fmt: skip
+
+    def spatial(self):
+        """The spatial part (:class:`~deltacells.spatial_query.SpatialReader`), read once.
+
+        Raises
+        ------
+        ValueError
+            When the dataset was not written in spatial order.
+        """
+        if self._spatial is None:
+            from deltacells.spatial_query import SpatialReader
+
+            index = self.spatial_index()
+            if index is None:
+                raise ValueError(f"{self.store.describe()}: not written in spatial order (write "
+                                 "it with spatial_key= or shapes=)")  # fmt: skip
+            self._spatial = SpatialReader(self.store, index, self.manifest.n_cells)
+        return self._spatial
+
+    def query_bbox(self, bbox: tuple[float, float, float, float], mode: str = "intersects"):
+        """The cells in ``bbox`` = (xmin, ymin, xmax, ymax), as a
+        :class:`~deltacells.spatial_query.BoxQuery` (stored rows, bytes read).
+
+        ``mode="intersects"`` (default) selects the cells whose shape intersects the box,
+        borders included (points: inside or on the edge; circles: within their radius of it;
+        polygons: exactly, with shapely). ``mode="centroid"`` selects by centroid. Only the
+        grid tiles overlapping the box grown by the margin are read.
+        """
+        return self.spatial().query(bbox, mode=mode)
 
     def _check_tile_version(self, blob: Any, name: str) -> None:
         # A dataset's tiles have its manifest's version. The header is outside the CRC, so a
@@ -336,6 +377,8 @@ class Dataset:
                     f"!= {expected} computed from the schema and shards"
                 )
             self._check_obs_values(schema)
+        if m.metadata.get("spatial_index") is not None:
+            self.spatial().verify()
         self._verify_stored_parts(progress)
 
     def _verify_stored_parts(self, progress) -> None:
@@ -453,6 +496,7 @@ class Dataset:
             "obs_columns": {c.name: c.kind for c in schema.columns} if schema else {},
             "stored_parts": {"layers": parts.layers, "raw": parts.raw,
                              "elements": list(parts.elements)},
+            "spatial_index": m.metadata.get("spatial_index"),
         }
 
 

@@ -445,6 +445,7 @@ class _Plan:
     offsets: np.ndarray
     obs_names_unique: bool = True
     obs_pandas: dict | None = None
+    spatial: Any = None  # deltacells._spatial_write.SpatialPlan
 
 
 def _remap_columns(block: sp.csr_matrix, col_map: np.ndarray, n_genes: int) -> sp.csr_matrix:
@@ -607,11 +608,14 @@ def _progress_factory(progress: bool) -> Callable:
 _OWN_FILE = re.compile(
     r"((layers/[^/]+|raw)/)?"  # count layers and raw are datasets of their own
     r"(manifest\.json|gene_order\.npy|var_names\.txt|var\.parquet|cell_order\.npy"
+    r"|spatial/(tile_offsets|centroids|shapes|geometry_offsets)\.npy|spatial/geometry\.wkb"
     r"|obs/schema\.json|tiles/tile_\d{6}\.dct|obs/obs_\d{4}\.parquet"
-    r"|((tiles|obs)/)?\.[^/]+\.tmp)"
+    r"|((tiles|obs|spatial)/)?\.[^/]+\.tmp)"
     r"|anndata\.zarr/.+"  # anndata's element IO
 )
-_OWN_DIRS = re.compile(r"((layers/[^/]+|raw)/)?(tiles|obs)|layers(/[^/]+)?|raw|anndata\.zarr(/.+)?")
+_OWN_DIRS = re.compile(
+    r"((layers/[^/]+|raw)/)?(tiles|obs)|layers(/[^/]+)?|raw|spatial|anndata\.zarr(/.+)?"
+)
 
 
 def _check_target(store: Store, overwrite: bool) -> bool:
@@ -673,6 +677,11 @@ def write_deltacells(
     join: str = "same",
     shuffle: bool = False,
     seed: int = 0,
+    cell_order: Sequence[int] | np.ndarray | None = None,
+    spatial_key: str | None = None,
+    shapes: Any = None,
+    grid_tile_size: float | tuple[float, float] | None = None,
+    origin: tuple[float, float] | None = None,
     obs_exclude: Sequence[str] = (),
     max_categories: int = 20_000,
     obs_tiles_per_file: int = 1000,
@@ -726,6 +735,19 @@ def write_deltacells(
     shuffle, seed
         Write cells in a seeded random order (recorded in ``cell_order.npy``), so contiguous
         reads are random samples for training.
+    cell_order
+        Write cells in this order instead: stored row ``i`` is source row ``cell_order[i]``
+        (a permutation; recorded in ``cell_order.npy``).
+    spatial_key, shapes, grid_tile_size, origin
+        Spatial order (RFC 4, see ``docs/spatial.md``): cells stably sorted by the grid tile of
+        their centroid, taken from ``obsm[spatial_key]`` (x, y) or from ``shapes``, a
+        GeoDataFrame or GeoParquet path with one shape per cell indexed by obs name (points,
+        points with a ``radius`` column for circles, polygons, multipolygons). The grid has
+        square tiles of ``grid_tile_size`` from ``origin`` (default: the centroids' lower-left
+        corner and tiles holding about 1,000 cells on average). Stores the grid, the margin,
+        ``spatial/tile_offsets.npy``, the centroids and shapes in stored order, and the cell
+        order; :meth:`Dataset.query_bbox` and ``read_deltacells(..., bbox=...)`` use them.
+        A single input only; not with ``shuffle`` or ``cell_order``.
     obs_exclude
         obs columns to leave out (e.g. datetimes, which the format does not store).
     max_categories
@@ -799,14 +821,33 @@ def write_deltacells(
         obs_frame = _combined_obs(parts, obs_exclude, list_input=len(sources) > 1) if obs else None
         obs_plan = _infer_obs_schema(obs_frame, max_categories) if obs else None
         on_disk = any(not p.reader.in_memory for p in parts)
-        budget = cache_bytes if on_disk and not shuffle else 0
+        # Blocks kept from pass 1 serve pass 2 only when both read the source in order.
+        reordered = shuffle or cell_order is not None or spatial_key is not None \
+            or shapes is not None  # fmt: skip
+        budget = cache_bytes if on_disk and not reordered else 0
         cache: dict = {}
         totals, fitting = _check_and_total(parts, col_maps, n_genes, tile_size, progress_bar,
                                            cache, budget)  # fmt: skip
         tile_size = _settle_tile_size(tile_size, fitting, chosen_tile_size)
         order = _resolve_gene_order(gene_order, totals)
         n_cells = sum(p.n_obs for p in parts)
-        cell_order = np.random.default_rng(seed).permutation(n_cells) if shuffle else None
+        spatial = None
+        if spatial_key is not None or shapes is not None:
+            if shuffle or cell_order is not None or len(parts) > 1:
+                raise ValueError("spatial order (spatial_key / shapes) takes a single input, "
+                                 "without shuffle or cell_order")  # fmt: skip
+            from deltacells._spatial_write import plan_spatial_order
+
+            spatial = plan_spatial_order(sources[0], parts[0].obs.index, spatial_key=spatial_key,
+                                         shapes=shapes, grid_tile_size=grid_tile_size,
+                                         origin=origin)  # fmt: skip
+            cell_order = spatial.cell_order
+        elif shuffle:
+            if cell_order is not None:
+                raise ValueError("pass shuffle or cell_order, not both")
+            cell_order = np.random.default_rng(seed).permutation(n_cells)
+        elif cell_order is not None:
+            cell_order = _check_permutation(cell_order, n_cells)
         stored_maps = col_maps
         if order is not None:
             inverse = np.empty(n_genes, dtype=np.int64)
@@ -825,6 +866,7 @@ def write_deltacells(
             obs_names_unique=obs_frame is None
             or not bool(obs_frame.index.astype(str).duplicated().any()),
             obs_pandas=None if obs_frame is None else pandas_record(obs_frame),
+            spatial=spatial,
         )
 
         # A dataset already there is replaced only at the end: the new one is written beside
@@ -899,8 +941,11 @@ def _write_dataset(
         names_text = "".join(f"{name}\n" for name in plan.var_names)
         store.write_atomic(VAR_NAMES_NAME, names_text.encode("utf-8"))
         store.write_atomic(VAR_TABLE_NAME, _var_parquet(plan.var))
-    if s.shuffle:
+    if plan.cell_order is not None:
         store.write_atomic(CELL_ORDER_NAME, _npy_bytes(plan.cell_order.astype(np.int64)))
+    if plan.spatial is not None:
+        for name, data in plan.spatial.files().items():
+            store.write_atomic(name, data)
     obs_fields: dict[str, Any] = {}
     if s.obs:
         obs_fields = _write_obs(store, obs_plan, plan, s.tile_size, tile_cells,
@@ -909,8 +954,9 @@ def _write_dataset(
     if s.source is not None:
         from deltacells._extras import write_extras
 
+        # Count layers and raw are stored in the same cell order as X.
         options = {"tile_size": s.tile_size, "n_chunks": s.n_chunks, "zstd_level": s.zstd_level,
-                   "n_threads": s.n_threads, "shuffle": s.shuffle, "seed": s.seed,
+                   "n_threads": s.n_threads, "cell_order": plan.cell_order,
                    "storage_options": s.storage_options}  # fmt: skip
         extras = write_extras(store, s.source, layer=s.layer, use_raw=s.use_raw,
                               gene_order=plan.gene_order, cell_order=plan.cell_order,
@@ -927,6 +973,8 @@ def _write_dataset(
         "layer": "raw" if s.use_raw else s.layer,
         "join": s.join if len(parts) > 1 else None,
         "shuffle": {"seed": s.seed, "cell_order": CELL_ORDER_NAME} if s.shuffle else None,
+        "cell_order": CELL_ORDER_NAME if plan.cell_order is not None else None,
+        "spatial_index": plan.spatial.index.to_json() if plan.spatial is not None else None,
     } | dict(s.metadata or {})
     manifest = Manifest(
         version=2,
@@ -948,6 +996,14 @@ def _write_dataset(
     )
     store.write_atomic(MANIFEST_NAME, manifest.to_json_text().encode("utf-8"))
     return manifest
+
+
+def _check_permutation(order: Any, n: int) -> np.ndarray:
+    array = np.asarray(order)
+    if array.ndim != 1 or array.dtype.kind not in "iu" or len(array) != n or not np.array_equal(
+            np.sort(array), np.arange(n)):  # fmt: skip
+        raise ValueError(f"cell_order must be a permutation of 0..{n - 1} (integers)")
+    return array.astype(np.int64)
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:

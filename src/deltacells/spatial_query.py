@@ -1,0 +1,185 @@
+"""Box queries on a spatially ordered dataset: read the grid tiles a box reaches (grown by the
+margin), and from them only the rows' centroids and shapes, by ranged reads; then test each
+cell exactly (:func:`deltacells.spatial.select_in_box`)."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+
+from deltacells.format import FormatError
+from deltacells.spatial import (
+    CENTROIDS_NAME,
+    GEOMETRY_NAME,
+    GEOMETRY_OFFSETS_NAME,
+    SHAPES_NAME,
+    TILE_OFFSETS_NAME,
+    SpatialIndex,
+    grid_tiles_overlapping,
+    select_in_box,
+)
+from deltacells.storage import Store
+
+__all__ = ["BoxQuery", "SpatialReader"]
+
+#: numpy caps .npy headers at 10,000 bytes (plus magic and length).
+_NPY_HEAD = 16 + 10_000
+
+
+@dataclass(frozen=True)
+class BoxQuery:
+    """The cells a box selects.
+
+    Attributes
+    ----------
+    rows
+        Stored row numbers of the selected cells, increasing (int64).
+    grid_tiles
+        Grid tiles read (the box grown by the margin, or not for ``mode="centroid"``).
+    candidates
+        Cells in those tiles, tested exactly.
+    bytes_read
+        Bytes fetched for the query (tile offsets once per dataset, then centroids, shape
+        records and polygons of the candidate rows).
+    """
+
+    rows: np.ndarray
+    grid_tiles: np.ndarray
+    candidates: int
+    bytes_read: int
+
+
+class _NpyRows:
+    """Row ranges of a 2-D (or 1-D) little-endian ``.npy`` file, by ranged reads."""
+
+    def __init__(self, store: Store, name: str, dtype: str, shape: tuple[int, ...]) -> None:
+        self.store, self.name = store, name
+        where = store.describe(name)
+        size = store.size(name)
+        head = store.read_range(name, 0, min(size, _NPY_HEAD))
+        stream = io.BytesIO(head)
+        try:
+            major, _ = np.lib.format.read_magic(stream)
+            reader = {1: np.lib.format.read_array_header_1_0,
+                      2: np.lib.format.read_array_header_2_0}[major]  # fmt: skip
+            got_shape, fortran, got_dtype = reader(stream)
+        except (KeyError, ValueError, EOFError, SyntaxError, TypeError, OverflowError) as err:
+            raise FormatError(f"{where}: not a .npy array ({err})") from None
+        if got_shape != shape or fortran or got_dtype != np.dtype(dtype):
+            raise FormatError(f"{where}: expected {np.dtype(dtype)} {shape}, got {got_dtype} "
+                              f"{got_shape}{' (Fortran order)' if fortran else ''}")  # fmt: skip
+        self.offset = stream.tell()
+        self.dtype = np.dtype(dtype)
+        self.row_bytes = self.dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
+        self.shape = shape
+        if size != self.offset + self.row_bytes * shape[0]:
+            raise FormatError(f"{where}: {size} bytes, a {self.dtype} {shape} array needs "
+                              f"{self.offset + self.row_bytes * shape[0]}")  # fmt: skip
+        self.bytes_read = len(head)
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        data = self.store.read_range(self.name, self.offset + start * self.row_bytes,
+                                     self.offset + stop * self.row_bytes)  # fmt: skip
+        self.bytes_read += len(data)
+        return np.frombuffer(data, dtype=self.dtype).reshape((stop - start, *self.shape[1:]))
+
+    def whole(self) -> np.ndarray:
+        return self.rows(0, self.shape[0])
+
+
+class SpatialReader:
+    """The spatial part of one opened dataset (made by :meth:`deltacells.Dataset.spatial`)."""
+
+    def __init__(self, store: Store, index: SpatialIndex, n_cells: int) -> None:
+        self.store, self.index, self.n_cells = store, index, n_cells
+        offsets_file = _NpyRows(store, TILE_OFFSETS_NAME, "<i8", (index.n_grid_tiles + 1,))
+        offsets = offsets_file.whole()
+        where = store.describe(TILE_OFFSETS_NAME)
+        if offsets[0] != 0 or offsets[-1] != n_cells or (np.diff(offsets) < 0).any():
+            raise FormatError(f"{where}: tile offsets must rise from 0 to the {n_cells} cells")
+        self.tile_offsets = offsets
+        self.bytes_read = offsets_file.bytes_read
+        self._centroids = _NpyRows(store, CENTROIDS_NAME, "<f8", (n_cells, 2))
+        self._records = (_NpyRows(store, SHAPES_NAME, "<f8", (n_cells, 5))
+                         if store.exists(SHAPES_NAME) else None)  # fmt: skip
+        self._geometry = (_NpyRows(store, GEOMETRY_OFFSETS_NAME, "<i8", (n_cells + 1,))
+                          if store.exists(GEOMETRY_OFFSETS_NAME) else None)  # fmt: skip
+
+    def verify(self) -> None:
+        """Check every stored centroid lies in the grid tile its row range says, and the
+        shape records' kinds (reads the whole spatial part)."""
+        from deltacells.spatial import tile_ids
+
+        centroids = self._centroids.whole()
+        where = self.store.describe(CENTROIDS_NAME)
+        if not np.isfinite(centroids).all():
+            raise FormatError(f"{where}: a centroid is NaN or infinite")
+        expected = np.repeat(np.arange(self.index.n_grid_tiles), np.diff(self.tile_offsets))
+        bad = np.flatnonzero(tile_ids(centroids, self.index) != expected)
+        if len(bad):
+            raise FormatError(f"{where}: row {bad[0]} lies outside the grid tile "
+                              f"{expected[bad[0]]} that tile_offsets puts it in")  # fmt: skip
+        if self._records is not None:
+            records = self._records.whole()
+            if not np.isin(records[:, 0], (0.0, 1.0, 2.0)).all():
+                raise FormatError(f"{self.store.describe(SHAPES_NAME)}: unknown shape kind")
+
+    def row_ranges(self, grid_tiles: np.ndarray) -> list[tuple[int, int]]:
+        """Stored row ranges of ``grid_tiles``, adjacent ones merged."""
+        ranges: list[tuple[int, int]] = []
+        for k in grid_tiles:
+            start, stop = int(self.tile_offsets[k]), int(self.tile_offsets[k + 1])
+            if start == stop:
+                continue
+            if ranges and ranges[-1][1] == start:
+                ranges[-1] = (ranges[-1][0], stop)
+            else:
+                ranges.append((start, stop))
+        return ranges
+
+    def query(self, box, mode: str = "intersects") -> BoxQuery:
+        """The cells ``box`` selects (see :func:`deltacells.spatial.select_in_box`)."""
+        files = [f for f in (self._centroids, self._records, self._geometry) if f is not None]
+        before = sum(f.bytes_read for f in files)
+        tiles = grid_tiles_overlapping(self.index, box, grow=mode != "centroid")
+        selected, candidates = [], 0
+        for start, stop in self.row_ranges(tiles):
+            centroids = self._centroids.rows(start, stop)
+            records = geometries = None
+            if mode != "centroid" and self._records is not None:
+                records = self._records.rows(start, stop)
+                geometries = self._polygons(start, stop, records)
+            hit = select_in_box(box, centroids, records, mode=mode, geometries=geometries)
+            selected.append(start + np.flatnonzero(hit))
+            candidates += stop - start
+        rows = np.concatenate(selected).astype(np.int64) if selected else np.zeros(0, np.int64)
+        spent = sum(f.bytes_read for f in files) - before
+        return BoxQuery(rows=rows, grid_tiles=tiles, candidates=candidates, bytes_read=spent)
+
+    def _polygons(self, start: int, stop: int, records: np.ndarray):
+        """Shapely geometries of the polygon rows ``start:stop`` (None where not a polygon),
+        or None when the dataset stores no polygons."""
+        if self._geometry is None or not (records[:, 0] == 2.0).any():
+            return None
+        import shapely
+
+        bounds = self._geometry.rows(start, stop + 1)
+        where = self.store.describe(GEOMETRY_NAME)
+        if (np.diff(bounds) < 0).any():
+            raise FormatError(f"{self.store.describe(GEOMETRY_OFFSETS_NAME)}: offsets decrease")
+        data = self.store.read_range(GEOMETRY_NAME, int(bounds[0]), int(bounds[-1]))
+        self._geometry.bytes_read += len(data)
+        if len(data) != bounds[-1] - bounds[0]:
+            raise FormatError(f"{where}: shorter than its offsets say")
+        out = np.empty(stop - start, dtype=object)
+        base = int(bounds[0])
+        for i in np.flatnonzero(records[:, 0] == 2.0):
+            blob = data[int(bounds[i]) - base : int(bounds[i + 1]) - base]
+            try:
+                out[i] = shapely.from_wkb(blob)
+            except Exception as err:  # shapely raises its own GEOSException
+                raise FormatError(f"{where}: row {start + i} is not a WKB geometry ({err})") \
+                    from None  # fmt: skip
+        return out
