@@ -233,6 +233,9 @@ class DeltacellsCSRDataset(CSRDataset):
                 raise IndexError(f"too many indices ({len(index)}) for a 2-D matrix")
         else:
             row_index, col_index = index, slice(None)
+        by_genes = self._through_gene_major(row_index, col_index)
+        if by_genes is not None:
+            return by_genes
         # anndata views pass np.ix_ grids, (n, 1) rows and (1, m) columns: an outer selection.
         if isinstance(row_index, np.ndarray) and row_index.ndim == 2:
             rows, _ = _normalize_rows(row_index.ravel(), self.shape[0])
@@ -249,6 +252,32 @@ class DeltacellsCSRDataset(CSRDataset):
         if not isinstance(col_index, slice | int | np.integer):
             col_index = _as_positions(col_index)
         return matrix[:, col_index]
+
+    #: Most columns read through the gene-major companion; beyond that scanning the tiles
+    #: (which hold all genes of a cell) is cheaper.
+    GENE_MAJOR_MAX_COLUMNS = 64
+
+    def _through_gene_major(self, row_index: Any, col_index: Any) -> sp.csr_matrix | None:
+        """All cells of a few genes from the gene-major companion, when the dataset has one
+        (``adata[:, "CD3E"].X``); None when that does not apply."""
+        if not (isinstance(row_index, slice) and row_index == slice(None)):
+            return None
+        if isinstance(col_index, slice) or self.dataset.manifest.metadata.get(
+                "gene_major") is None:  # fmt: skip
+            return None
+        columns = np.asarray(col_index).ravel()
+        if columns.dtype == bool:
+            if len(columns) != self.shape[1]:
+                return None
+            columns = np.flatnonzero(columns)
+        if columns.dtype.kind not in "iu" or not 0 < len(columns) <= self.GENE_MAJOR_MAX_COLUMNS:
+            return None
+        columns = np.where(columns < 0, columns + self.shape[1], columns)
+        if columns.min() < 0 or columns.max() >= self.shape[1]:
+            raise IndexError(f"column index out of range for {self.shape[1]} genes")
+        matrix = self.dataset.genes(columns.tolist(), values_dtype=self.dtype,
+                                    column_order=self.column_order)  # fmt: skip
+        return matrix.tocsr()
 
     def tile_matrix(self, index: int) -> sp.csr_matrix:
         """All cells of tile ``index`` as CSR (columns in the requested order)."""

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from deltacells.codec import DEFAULT_LEVEL, DEFAULT_N_CHUNKS
 from deltacells.dataset import open_dataset
 from deltacells.format import FormatError
+from deltacells.genemajor import DEFAULT_BLOCK_CELLS, DEFAULT_CHUNK_GENES
 from deltacells.writer import DEFAULT_TILE_SIZE, JOINS, write_deltacells
 
 __all__ = ["main"]
@@ -128,6 +129,29 @@ def _info(args: argparse.Namespace) -> int:
             print(f"    {'layers (not counts)' if name == 'layers' else name}: anndata.zarr")
     if info.get("spatial_index"):
         print(f"  {_spatial_line(info['spatial_index'])}")
+    if info.get("gene_major"):
+        g = info["gene_major"]
+        print(f"  gene-major       {g['n_blocks']} blocks of up to {g['block_cells']:,} cells, "
+              f"{g['chunk_genes']} genes per chunk, {g['bytes']:,} bytes")  # fmt: skip
+    return 0
+
+
+def _add_gene_major(args: argparse.Namespace) -> int:
+    from deltacells.genemajor import add_gene_major
+
+    dataset = open_dataset(args.path)
+    progress = None
+    if not args.quiet:
+        from tqdm.auto import tqdm
+
+        def progress(blocks):
+            return tqdm(blocks, desc="gene-major blocks", unit="block")
+
+    record = add_gene_major(dataset, block_cells=args.block_cells, chunk_genes=args.chunk_genes,
+                            n_threads=args.threads, progress=progress)  # fmt: skip
+    if not args.quiet:
+        print(f"{args.path}: gene-major companion of {record['n_blocks']} blocks, "
+              f"{sum(record['block_bytes']) / 1e6:.1f} MB")  # fmt: skip
     return 0
 
 
@@ -184,6 +208,9 @@ EXAMPLES = {
     "info": """examples:
   deltacells info pbmc.dc
   deltacells info s3://bucket/atlas.dc --json""",
+    "add-gene-major": """examples:
+  deltacells add-gene-major pbmc.dc
+  deltacells add-gene-major s3://bucket/atlas.dc --block-cells 65536""",
     "verify": """examples:
   deltacells verify pbmc.dc
   deltacells verify atlas.dc --json""",
@@ -258,6 +285,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help='print {"ok": ..., "error": ...} as JSON')
     verify.add_argument("--quiet", action="store_true", help="no progress bar or OK line")
     verify.set_defaults(run=_verify)
+
+    genes = command("add-gene-major", "add the gene-major companion (one gene for all cells in "
+                    "a few small reads)")  # fmt: skip
+    genes.add_argument("path", help="dataset directory or URL (written to in place)")
+    genes.add_argument("--block-cells", type=int, default=DEFAULT_BLOCK_CELLS,
+                       help="cells per block (1..65536); memory use grows with it")
+    genes.add_argument("--chunk-genes", type=int, default=DEFAULT_CHUNK_GENES,
+                       help="genes per chunk: what reading one gene decompresses")
+    genes.add_argument("--threads", type=int, default=None,
+                       help="compression threads (default: OMP_NUM_THREADS or usable CPUs)")
+    genes.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    genes.set_defaults(run=_add_gene_major)
     return parser
 
 

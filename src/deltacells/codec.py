@@ -218,6 +218,7 @@ def encode_tile(
     n_chunks: int = DEFAULT_N_CHUNKS,
     level: int = DEFAULT_LEVEL,
     n_threads: int | None = None,
+    chunk_rows: int | None = None,
 ) -> bytes:
     """Encode a count matrix as one version-2 tile.
 
@@ -235,6 +236,11 @@ def encode_tile(
         Threads compressing chunks in parallel; ``None`` resolves like scikit-learn
         (``OMP_NUM_THREADS``, then the CPUs usable by this process). The output is the same
         for every thread count.
+    chunk_rows
+        Instead of ``n_chunks`` chunks of equal nonzeros, chunks of this many rows each (the
+        last may hold fewer): row ``r`` is then in chunk ``r // chunk_rows``, so a reader can
+        fetch one row's chunk by ranged reads without the whole chunk table (the gene-major
+        companion does this).
 
     Returns
     -------
@@ -253,7 +259,13 @@ def encode_tile(
     if not lo <= int(level) <= hi:
         raise ValueError(f"zstd level {level} outside {lo}..{hi}")
     indptr, indices, data, (n_cells, n_genes) = canonical_csr(matrix)
-    bounds = chunk_bounds(indptr, int(n_chunks))
+    if chunk_rows is not None:
+        if int(chunk_rows) < 1:
+            raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+        bounds = np.unique(np.append(np.arange(0, n_cells, int(chunk_rows)), n_cells))
+        bounds = bounds.astype(np.int64)
+    else:
+        bounds = chunk_bounds(indptr, int(n_chunks))
     threads = effective_n_threads(n_threads)
     nnz = int(indptr[-1])
     for c in range(len(bounds) - 1):

@@ -69,6 +69,7 @@ class Dataset:
         self.manifest_digest = manifest_digest
         self._gene_order: np.ndarray | None = None
         self._spatial: Any = None
+        self._gene_major: Any = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -125,6 +126,72 @@ class Dataset:
                 f"the manifest records for tile {index} (tiles swapped or replaced)"
             )
         return tile
+
+    def gene_major(self):
+        """The gene-major companion (:class:`~deltacells.genemajor.GeneMajor`), or None if
+        the dataset has none (add it with :func:`~deltacells.genemajor.add_gene_major` or
+        ``deltacells add-gene-major``)."""
+        if self.manifest.metadata.get("gene_major") is None:
+            return None
+        if self._gene_major is None:
+            from deltacells.genemajor import GeneMajor
+
+            self._gene_major = GeneMajor(self)
+        return self._gene_major
+
+    def genes(self, genes: Sequence[str | int] | str | int, values_dtype: Any = np.float32,
+              column_order: str = "source") -> sp.csc_matrix:  # fmt: skip
+        """Genes for every cell, read from the gene-major companion (a few small ranged reads
+        per block of cells, not a scan of the tiles).
+
+        Parameters
+        ----------
+        genes
+            Gene names (var_names), or integer positions in ``column_order``; one or many.
+        values_dtype
+            dtype of the values.
+        column_order
+            What integer positions refer to: ``"source"`` (the written order) or
+            ``"stored"``.
+
+        Returns
+        -------
+        scipy.sparse.csc_matrix
+            Cells (stored order) by the genes asked, in the order asked.
+
+        Raises
+        ------
+        ValueError
+            When the dataset has no gene-major companion.
+        KeyError
+            For an unknown gene name.
+        """
+        companion = self.gene_major()
+        if companion is None:
+            raise ValueError(f"{self.store.describe()}: no gene-major companion (add it with "
+                             "deltacells add-gene-major)")  # fmt: skip
+        if column_order not in ("source", "stored"):
+            raise ValueError(f"column_order must be 'source' or 'stored', not {column_order!r}")
+        asked = [genes] if isinstance(genes, str | int | np.integer) else list(genes)
+        order = self.gene_order()
+        source_to_stored = np.argsort(order) if order is not None else None
+        names: np.ndarray | None = None
+        stored = []
+        for g in asked:
+            if isinstance(g, str):
+                if names is None:
+                    names = np.asarray(self.var_names() or [], dtype=object)  # stored order
+                hits = np.flatnonzero(names == g)
+                if not len(hits):
+                    raise KeyError(f"{self.store.describe()}: no gene named {g!r}")
+                stored.append(int(hits[0]))
+                continue
+            p = int(g)
+            if not 0 <= p < self.manifest.n_genes:
+                raise IndexError(f"gene position {p} outside 0..{self.manifest.n_genes - 1}")
+            use_order = column_order == "source" and source_to_stored is not None
+            stored.append(int(source_to_stored[p]) if use_order else p)
+        return companion.read(stored, values_dtype)
 
     def spatial_index(self):
         """The dataset's :class:`~deltacells.spatial.SpatialIndex` (None unless it was written
@@ -379,6 +446,8 @@ class Dataset:
             self._check_obs_values(schema)
         if m.metadata.get("spatial_index") is not None:
             self.spatial().verify()
+        if m.metadata.get("gene_major") is not None:
+            self.gene_major().verify(progress)
         self._verify_stored_parts(progress)
 
     def _verify_stored_parts(self, progress) -> None:
@@ -497,6 +566,10 @@ class Dataset:
             "stored_parts": {"layers": parts.layers, "raw": parts.raw,
                              "elements": list(parts.elements)},
             "spatial_index": m.metadata.get("spatial_index"),
+            "gene_major": None if m.metadata.get("gene_major") is None else {
+                k: v for k, v in m.metadata["gene_major"].items()
+                if k in ("block_cells", "chunk_genes", "n_blocks")} | {
+                "bytes": sum(m.metadata["gene_major"].get("block_bytes") or [])},
         }
 
 

@@ -190,16 +190,18 @@ class TileLayout(TileHeader):
     indptr: np.ndarray
 
 
-def parse_header(buf, where: str = "<tile>") -> TileHeader:
+def parse_header(buf, where: str = "<tile>", object_size: int | None = None) -> TileHeader:
     """Parse and check the header alone: magic, version, flags, object size, n_genes.
 
     These are the checks that must pass before the CRC (which covers everything after the
-    header) can even be computed; :func:`parse_layout` does the rest.
+    header) can even be computed; :func:`parse_layout` does the rest. ``object_size`` is the
+    size of the whole tile when ``buf`` holds only its first bytes (ranged reads).
     """
     view = memoryview(buf).cast("B")
-    size = view.nbytes
-    if size < HEADER_SIZE:
-        raise _fail(where, f"truncated: {size} bytes is shorter than the {HEADER_SIZE}-byte header")
+    if view.nbytes < HEADER_SIZE:
+        raise _fail(where, f"truncated: {view.nbytes} bytes is shorter than the {HEADER_SIZE}-byte "
+                           "header")  # fmt: skip
+    size = view.nbytes if object_size is None else object_size
     (
         magic,
         version,

@@ -609,12 +609,13 @@ _OWN_FILE = re.compile(
     r"((layers/[^/]+|raw)/)?"  # count layers and raw are datasets of their own
     r"(manifest\.json|gene_order\.npy|var_names\.txt|var\.parquet|cell_order\.npy"
     r"|spatial/(tile_offsets|centroids|shapes|geometry_offsets)\.npy|spatial/geometry\.wkb"
+    r"|genes/block_\d{6}\.dct"
     r"|obs/schema\.json|tiles/tile_\d{6}\.dct|obs/obs_\d{4}\.parquet"
-    r"|((tiles|obs|spatial)/)?\.[^/]+\.tmp)"
+    r"|((tiles|obs|spatial|genes)/)?\.[^/]+\.tmp)"
     r"|anndata\.zarr/.+"  # anndata's element IO
 )
 _OWN_DIRS = re.compile(
-    r"((layers/[^/]+|raw)/)?(tiles|obs)|layers(/[^/]+)?|raw|spatial|anndata\.zarr(/.+)?"
+    r"((layers/[^/]+|raw)/)?(tiles|obs)|layers(/[^/]+)?|raw|spatial|genes|anndata\.zarr(/.+)?"
 )
 
 
@@ -682,6 +683,7 @@ def write_deltacells(
     shapes: Any = None,
     grid_tile_size: float | tuple[float, float] | None = None,
     origin: tuple[float, float] | None = None,
+    gene_major: bool = False,
     obs_exclude: Sequence[str] = (),
     max_categories: int = 20_000,
     obs_tiles_per_file: int = 1000,
@@ -748,6 +750,11 @@ def write_deltacells(
         ``spatial/tile_offsets.npy``, the centroids and shapes in stored order, and the cell
         order; :meth:`Dataset.query_bbox` and ``read_deltacells(..., bbox=...)`` use them.
         A single input only; not with ``shuffle`` or ``cell_order``.
+    gene_major
+        Also build the gene-major companion (``genes/``: each block of up to 16,384 cells
+        transposed, same codec), so that one gene for every cell is a few small reads
+        (:meth:`Dataset.genes`, ``adata[:, ["CD3E"]].X``). Adds about as many bytes as the
+        tiles; it can be added later with ``deltacells add-gene-major``.
     obs_exclude
         obs columns to leave out (e.g. datetimes, which the format does not store).
     max_categories
@@ -890,6 +897,14 @@ def write_deltacells(
             if elements and len(sources) > 1:
                 _warn_if_dropped(sources)
             manifest = _write_dataset(store, parts, plan, obs_plan, settings, progress_bar, cache)
+            if gene_major:
+                from deltacells.dataset import open_dataset
+                from deltacells.genemajor import add_gene_major
+
+                written = open_dataset(store)
+                add_gene_major(written, n_threads=n_threads, progress=lambda blocks: progress_bar(
+                    blocks, desc="gene-major blocks"))  # fmt: skip
+                manifest = written.manifest
             if replacing:
                 _check_target(target, overwrite)  # still only a dataset of ours
                 target.replace_with(store)

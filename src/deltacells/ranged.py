@@ -1,0 +1,126 @@
+"""Rows of a stored tile by ranged reads: the header, the chunk-table entries, the indptr slice
+and the frames of the chunks holding the rows, never the whole tile.
+
+The pieces are laid out again as a small tile of their own (one tile per run of chunks, with a
+fresh CRC), so every structural and frame check of :class:`~deltacells.codec.Tile` applies to
+them before anything is decoded. What this cannot check is the stored tile's CRC, which covers
+all of it: a reader that wants that check reads the whole tile.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from deltacells.codec import Tile, _assemble
+from deltacells.format import (
+    GAPS_LEN,
+    GAPS_OFF,
+    HEADER_SIZE,
+    FormatError,
+    TileHeader,
+    chunk_entry_size,
+    parse_header,
+)
+from deltacells.storage import Store
+
+__all__ = ["RangedTile"]
+
+
+class RangedTile:
+    """One stored tile read piecewise: :meth:`rows_tile` returns its rows ``lo:hi`` as a small
+    validated :class:`~deltacells.codec.Tile`.
+
+    Parameters
+    ----------
+    store, name
+        Where the tile is.
+    size
+        Its size in bytes as the manifest records it (checked against the header).
+    chunk_rows
+        If the writer made chunks of this many rows (``encode_tile(chunk_rows=...)``), the
+        chunk of a row is found without reading the whole chunk table (and checked).
+    """
+
+    def __init__(self, store: Store, name: str, size: int, chunk_rows: int | None = None) -> None:
+        self.store, self.name, self.size, self.chunk_rows = store, name, size, chunk_rows
+        self.where = store.describe(name)
+        head = store.read_range(name, 0, min(HEADER_SIZE, size))
+        self.header: TileHeader = parse_header(head, self.where, object_size=size)
+        if self.header.version != 2:
+            raise FormatError(f"{self.where}: ranged reads need a version 2 tile")
+        self.entry = chunk_entry_size(2)
+        table_end = HEADER_SIZE + self.entry * self.header.n_chunks
+        h = self.header
+        if not (table_end <= h.indptr_off <= size and h.indptr_off % 8 == 0
+                and h.indptr_off + 8 * (h.n_cells + 1) <= size):  # fmt: skip
+            raise FormatError(f"{self.where}: chunk table or indptr beyond the tile's {size} "
+                              "bytes")  # fmt: skip
+        self.bytes_read = len(head)
+        self._table: np.ndarray | None = None
+
+    def _read(self, start: int, stop: int) -> bytes:
+        data = self.store.read_range(self.name, start, stop)
+        self.bytes_read += len(data)
+        if len(data) != stop - start:
+            raise FormatError(f"{self.where}: bytes {start}:{stop} asked, {len(data)} read "
+                              f"(the object is shorter than the {self.size} bytes "
+                              "recorded)")  # fmt: skip
+        return data
+
+    def _entries(self, first: int, stop: int) -> np.ndarray:
+        data = self._read(HEADER_SIZE + self.entry * first, HEADER_SIZE + self.entry * stop)
+        return np.frombuffer(data, dtype="<u8").reshape(stop - first, self.entry // 8)
+
+    def _chunks_for(self, lo: int, hi: int) -> tuple[int, np.ndarray]:
+        """First chunk id and the table entries of the chunks holding rows ``lo:hi``."""
+        n = self.header.n_chunks
+        if self.chunk_rows:
+            first, last = lo // self.chunk_rows, (hi - 1) // self.chunk_rows
+            if last < n:
+                entries = self._entries(first, last + 1)
+                if entries[0, 0] <= lo and entries[-1, 1] >= hi:
+                    return first, entries
+        if self._table is None:
+            self._table = self._entries(0, n)
+        table = self._table
+        first = int(np.searchsorted(table[:, 1], lo, side="right"))
+        last = int(np.searchsorted(table[:, 1], hi - 1, side="right"))
+        if last >= n:
+            raise FormatError(f"{self.where}: rows {lo}:{hi} are beyond its chunks")
+        return first, table[first : last + 1]
+
+    def rows_tile(self, lo: int, hi: int) -> tuple[Tile, int]:
+        """Rows ``lo:hi`` (``0 <= lo < hi <= n_cells``) and whatever else shares their chunks,
+        as ``(tile, first_row)``: the tile's row ``i`` is stored row ``first_row + i``."""
+        h = self.header
+        if not 0 <= lo < hi <= h.n_cells:
+            raise IndexError(f"rows {lo}:{hi} outside the tile's {h.n_cells}")
+        first, entries = self._chunks_for(lo, hi)
+        entries = entries.astype(np.int64)
+        cell_lo, cell_hi = int(entries[0, 0]), int(entries[-1, 1])
+        nnz_lo, nnz_hi = int(entries[0, 2]), int(entries[-1, 3])
+        if (np.diff(entries[:, 0]) <= 0).any() or (entries[1:, 0] != entries[:-1, 1]).any() \
+                or not 0 <= cell_lo < cell_hi <= h.n_cells:  # fmt: skip
+            raise FormatError(f"{self.where}: chunks {first}.. do not cover rows contiguously")
+        data = self._read(h.indptr_off + 8 * cell_lo, h.indptr_off + 8 * (cell_hi + 1))
+        indptr = np.frombuffer(data, dtype="<i8").astype(np.int64)
+        if indptr[0] != nnz_lo or indptr[-1] != nnz_hi:
+            raise FormatError(f"{self.where}: indptr does not match chunks {first}.. "
+                              f"({indptr[0]}..{indptr[-1]} vs {nnz_lo}..{nnz_hi})")  # fmt: skip
+        offsets = entries[:, GAPS_OFF::2][:, :4]
+        lengths = entries[:, GAPS_LEN::2][:, :4]
+        present = lengths > 0
+        if not present.any():
+            raise FormatError(f"{self.where}: chunks {first}.. have no frames")
+        region_lo = int(offsets[present].min())
+        region_hi = int((offsets + lengths)[present].max())
+        if region_lo < h.indptr_off + 8 * (h.n_cells + 1) or region_hi > self.size:
+            raise FormatError(f"{self.where}: frames of chunks {first}.. lie outside the tile")
+        region = self._read(region_lo, region_hi)
+        frames = [[region[int(o) - region_lo : int(o + n) - region_lo] if n else b""
+                   for o, n in zip(row_off, row_len, strict=True)]
+                  for row_off, row_len in zip(offsets, lengths, strict=True)]  # fmt: skip
+        bounds = np.append(entries[:, 0], cell_hi) - cell_lo
+        blob = _assemble(indptr - nnz_lo, bounds, frames, cell_hi - cell_lo, h.n_genes, 1)
+        name = f"{self.where} (rows {cell_lo}:{cell_hi}, ranged read)"
+        return Tile(blob, name=name, n_threads=1), cell_lo
