@@ -391,3 +391,41 @@ def test_cli_converts_in_spatial_order_and_info_shows_the_grid(tmp_path, capsys)
     assert f"spatial order: grid of {nx} x {ny} tiles of 1000 x 1000" in shown
     assert main(["info", "--json", str(out)]) == 0
     assert json.loads(capsys.readouterr().out)["spatial_index"]["grid_shape"] == [nx, ny]
+
+
+def test_source_row_order_undoes_the_spatial_order(visium):
+    root, source = visium
+    back = dc.read_deltacells(root, row_order="source")
+    assert list(back.obs_names) == list(source.obs_names)
+    assert (back.X[:] != source.X).nnz == 0
+    np.testing.assert_array_equal(back.obsm["spatial"], source.obsm["spatial"])
+    memory = back.to_memory()
+    assert (memory.X != source.X).nnz == 0
+    np.testing.assert_array_equal(memory.obs["array_row"], source.obs["array_row"])
+    # a box, in source order
+    points = source.obsm["spatial"]
+    box = (float(points[:, 0].min()), float(points[:, 1].min()),
+           float(np.median(points[:, 0])), float(np.median(points[:, 1])))  # fmt: skip
+    sub = dc.read_deltacells(root, bbox=box, row_order="source")
+    assert list(sub.obs_names) == list(source.obs_names[brute_force(points, box)])
+    with pytest.raises(ValueError, match="row_order"):
+        dc.read_deltacells(root, row_order="sorted")
+
+
+def test_source_row_order_of_a_shuffled_dataset(tmp_path):
+    from test_writer import small_adata
+
+    adata = small_adata(n_cells=300)
+    dc.write_deltacells(adata, tmp_path / "d", shuffle=True, seed=4, tile_size=64,
+                        progress=False)  # fmt: skip
+    stored = dc.read_deltacells(tmp_path / "d")
+    assert list(stored.obs_names) != list(adata.obs_names)
+    back = dc.read_deltacells(tmp_path / "d", row_order="source")
+    assert list(back.obs_names) == list(adata.obs_names)
+    assert (back.X[:] != adata.X).nnz == 0
+
+
+def test_damaged_cell_order_is_refused(small_spatial):
+    np.save(small_spatial / "cell_order.npy", np.zeros(300, dtype=np.int64))
+    with pytest.raises(dc.FormatError, match="not a permutation"):
+        dc.read_deltacells(small_spatial, row_order="source")

@@ -569,6 +569,7 @@ def read_deltacells(
     elements: bool | str = True,
     bbox: tuple[float, float, float, float] | None = None,
     bbox_mode: str = "intersects",
+    row_order: str = "stored",
 ) -> ad.AnnData:
     """Open a deltacells dataset as an AnnData with a lazily decoded X.
 
@@ -608,6 +609,11 @@ def read_deltacells(
         shape touches the box, borders included; ``"centroid"``: its centroid is in the
         box). The result is a view of the lazy AnnData, in stored (spatial) order; X decodes
         only the tiles those cells are in.
+    row_order
+        ``"stored"`` (default): cells in the order they are stored (shuffled or spatial
+        datasets store them in another order than written); ``"source"``: in the order they
+        were written, undoing ``cell_order.npy`` (a view of the lazy AnnData, so X still
+        decodes only what a slice touches). The same for datasets stored in source order.
 
     Returns
     -------
@@ -626,7 +632,14 @@ def read_deltacells(
     X = _lazy_matrix(dataset, options)
     var = _var(dataset, column_order)
     obs_frame = _obs(dataset, obs, cache_dir)
+    if row_order not in ("stored", "source"):
+        raise ValueError(f"row_order must be 'stored' or 'source', not {row_order!r}")
     rows = None if bbox is None else dataset.query_bbox(bbox, mode=bbox_mode).rows
+    cell_order = dataset.cell_order() if row_order == "source" else None
+    if cell_order is not None:
+        # Source row s is stored row inverse[s]: keep the selected rows, in source order.
+        selected = np.arange(dataset.manifest.n_cells) if rows is None else rows
+        rows = selected[np.argsort(cell_order[selected], kind="stable")]
     parts = _stored_parts(dataset, X, elements, options)
     adata = ad.AnnData(X=X, obs=obs_frame, var=var, **parts)
     return adata if rows is None else adata[rows]

@@ -127,6 +127,23 @@ class Dataset:
             )
         return tile
 
+    def cell_order(self) -> np.ndarray | None:
+        """``cell_order[i]`` is the source row of stored row ``i`` (None when cells are stored
+        in source order); checked to be a permutation."""
+        name = self.manifest.metadata.get("cell_order") or (
+            (self.manifest.metadata.get("shuffle") or {}).get("cell_order"))  # fmt: skip
+        if name is None:
+            return None
+        if name != CELL_ORDER_FILE:
+            raise FormatError(f"{self.store.describe(MANIFEST_NAME)}: cell_order must name "
+                              f"{CELL_ORDER_FILE!r}")  # fmt: skip
+        n = self.manifest.n_cells
+        order = self.load_npy(CELL_ORDER_FILE, n).astype(np.int64)
+        if not np.array_equal(np.sort(order), np.arange(n)):
+            raise FormatError(f"{self.store.describe(CELL_ORDER_FILE)}: not a permutation of "
+                              f"0..{n - 1}")  # fmt: skip
+        return order
+
     def gene_major(self):
         """The gene-major companion (:class:`~deltacells.genemajor.GeneMajor`), or None if
         the dataset has none (add it with :func:`~deltacells.genemajor.add_gene_major` or
@@ -572,6 +589,9 @@ class Dataset:
                 "bytes": sum(m.metadata["gene_major"].get("block_bytes") or [])},
         }
 
+
+#: Where the writer records the cell order (stored row -> source row).
+CELL_ORDER_FILE = "cell_order.npy"
 
 #: What pyarrow raises for damaged parquet (ArrowInvalid is a ValueError, ArrowNotImplemented
 #: a NotImplementedError; all are ArrowException).

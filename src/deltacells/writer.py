@@ -34,6 +34,7 @@ from deltacells.codec import (
     encode_tile,
     exception_limit,
 )
+from deltacells.dataset import CELL_ORDER_FILE
 from deltacells.format import MAGIC, STREAM_MAX, FormatError
 from deltacells.manifest import (
     GENE_ORDER_NAME,
@@ -59,7 +60,7 @@ __all__ = ["DEFAULT_TILE_SIZE", "OBS_INDEX_COLUMN", "write_deltacells"]
 #: Cells per tile by default. That is about 3 MB per tile on typical 10x data, a good object
 #: size for one GET, and small enough that shuffling buffers of several tiles stay modest.
 DEFAULT_TILE_SIZE = 4096
-CELL_ORDER_NAME = "cell_order.npy"
+CELL_ORDER_NAME = CELL_ORDER_FILE
 JOINS = ("same", "inner", "outer")
 
 
