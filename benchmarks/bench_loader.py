@@ -124,27 +124,14 @@ def make_inputs(source: Path, n_cells: int, workdir: Path) -> dict[str, Path]:
     return paths
 
 
-def _runs_python_312(executable: str) -> bool:
-    check = "import sys; sys.exit(sys.version_info < (3, 12))"
-    return subprocess.run([executable, "-c", check], capture_output=True).returncode == 0
-
-
 def annbatch_python(explicit: str | None) -> str:
     """The annbatch virtualenv's Python (made on first use from a Python >= 3.12)."""
-    python = ANNBATCH_VENV / "bin" / "python"
-    if not python.exists():
-        # A pyenv shim is on PATH even when its version is not selected, so each candidate
-        # is asked to run before it is taken.
-        candidates = [explicit] if explicit else [shutil.which("python3.12"),
-                                                  shutil.which("python3.13")]  # fmt: skip
-        pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
-        candidates += [str(p) for p in sorted(pyenv.glob("3.1[2-9]*/bin/python"))]
-        base = next((c for c in candidates if c and _runs_python_312(c)), None)
-        if base is None:
-            raise RuntimeError("annbatch needs Python >= 3.12: pass --annbatch-python")
-        subprocess.run([base, "-m", "venv", str(ANNBATCH_VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", *ANNBATCH_SPEC], check=True)
-    return str(python)
+    from deltacells.testing import side_python
+
+    python = side_python(ANNBATCH_VENV, list(ANNBATCH_SPEC), explicit)
+    if python is None:
+        raise RuntimeError("annbatch needs Python >= 3.12: pass --annbatch-python")
+    return python
 
 
 def plot(results: dict, path: Path) -> None:

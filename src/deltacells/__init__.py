@@ -2,7 +2,8 @@
 
 Tiles: :func:`encode_tile`, :func:`decode_tile`, :class:`Tile`. Datasets:
 :func:`write_deltacells`, :func:`open_dataset`, :func:`read_deltacells` (a lazy AnnData).
-Training: :class:`Loader`.
+Training: :class:`Loader`. Spatial: ``write_deltacells(..., spatial_key=)``,
+:meth:`Dataset.query_bbox`, :func:`add_gene_major`, :func:`to_spatialdata`.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -10,7 +11,9 @@ from importlib.metadata import PackageNotFoundError, version
 from deltacells.backed import DeltacellsCSRDataset, read_deltacells
 from deltacells.codec import DEFAULT_LEVEL, CountError, Tile, decode_tile, encode_tile
 from deltacells.dataset import Dataset, open_dataset
+from deltacells.export import to_spatialdata
 from deltacells.format import FormatError, LimitError, Limits, get_limits, set_limits
+from deltacells.genemajor import add_gene_major
 from deltacells.loader import Batch, Loader
 from deltacells.writer import write_deltacells
 
@@ -48,11 +51,13 @@ __all__ = [
     "Tile",
     "TorchIterableDataset",
     "__version__",
+    "add_gene_major",
     "decode_tile",
     "encode_tile",
     "get_limits",
     "open_dataset",
     "read_deltacells",
     "set_limits",
+    "to_spatialdata",
     "write_deltacells",
 ]

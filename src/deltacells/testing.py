@@ -50,6 +50,7 @@ __all__ = [
     "mutate_frame_content",
     "mutate_tile",
     "reference_decode",
+    "side_python",
 ]
 
 _BOUNDARY_U64 = (0, 1, 7, 8, 63, 64, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1,
@@ -457,3 +458,36 @@ def fuzz_obs_shards(root: str | Path, n_mutants: int, *, seed: int = 0) -> FuzzR
             (work / "manifest.json").write_text(json.dumps(m))
             _read_back(report, work, Path(tmp) / "cache", f"obs shard mutant {i} (kind {kind})")
     return report
+
+
+def side_python(venv: str | Path, packages: list[str], explicit: str | None = None,
+                minimum: tuple[int, int] = (3, 12)) -> str | None:  # fmt: skip
+    """The Python of a virtualenv at ``venv`` holding ``packages``, made on first use from a
+    Python of at least ``minimum`` (``explicit``, then ``python3.12`` / ``python3.13`` on
+    PATH, then pyenv's versions). For tools that need a newer Python than the project's
+    (spatialdata, annbatch). None when no such Python exists on this machine.
+    """
+    import os
+    import subprocess
+
+    python = Path(venv) / "bin" / "python"
+    if python.exists():
+        return str(python)
+    check = f"import sys; sys.exit(sys.version_info < {tuple(minimum)!r})"
+
+    def runs(executable: str | None) -> bool:
+        # A pyenv shim is on PATH even when its version is not selected: ask each to run.
+        return bool(executable) and subprocess.run(
+            [executable, "-c", check], capture_output=True).returncode == 0  # fmt: skip
+
+    candidates = [explicit] if explicit else [shutil.which("python3.12"),
+                                              shutil.which("python3.13")]  # fmt: skip
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    candidates += [str(p) for p in sorted(pyenv.glob("3.1[2-9]*/bin/python"))]
+    base = next((c for c in candidates if runs(c)), None)
+    if base is None:
+        return None
+    subprocess.run([base, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], check=True)
+    return str(python)
+

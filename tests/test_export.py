@@ -1,0 +1,128 @@
+"""SpatialData export, read back by spatialdata itself in its own Python >= 3.12 virtualenv
+(made by the test on first use, as the loader benchmark does for annbatch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import scipy.sparse as sp
+import zarr
+from conftest import DATA_DIR
+
+import deltacells as dc
+from deltacells.cli import main
+from deltacells.export import to_spatialdata
+from deltacells.testing import side_python
+
+gpd = pytest.importorskip("geopandas", reason="the spatial extra")
+shapely = pytest.importorskip("shapely")
+
+ROOT = Path(__file__).resolve().parents[1]
+SPATIALDATA_SPEC = ["spatialdata==0.8.0"]
+VISIUM = DATA_DIR / "visium_multisample.h5ad"
+
+#: What the child reports of a store, read with spatialdata.
+READ_BACK = r"""
+import json, sys
+import numpy as np
+import spatialdata as sd
+s = sd.read_zarr(sys.argv[1])
+shapes, table = s.shapes[sys.argv[2]], s.tables[sys.argv[3]]
+X, csc = table.X, table.layers["X_csc"]
+attrs = table.uns["spatialdata_attrs"]
+print(json.dumps({
+    "n_shapes": len(shapes), "index": [str(i) for i in shapes.index],
+    "geom_types": sorted(set(shapes.geometry.geom_type)),
+    "radius": shapes["radius"].tolist() if "radius" in shapes else None,
+    "table_shape": list(table.shape), "csr": X.format, "csc": csc.format,
+    "same_values": bool((X != csc.tocsr()).nnz == 0), "X_sum": float(X.sum()),
+    "instance": [str(v) for v in table.obs[attrs["instance_key"]]],
+    "region": attrs["region"], "annotates": sorted(set(table.obs[attrs["region_key"]])),
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def spatialdata_python():
+    explicit = os.environ.get("DELTACELLS_SPATIALDATA_PYTHON")
+    python = explicit or side_python(ROOT / ".venvs" / "spatialdata", SPATIALDATA_SPEC)
+    if python is None:
+        pytest.skip("spatialdata needs Python >= 3.12, and this machine has none")
+    return python
+
+
+def read_back(python: str, store: Path, shapes="cells", table="table") -> dict:
+    done = subprocess.run([python, "-c", READ_BACK, str(store), shapes, table],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_visium_spots_export_and_spatialdata_reads_them(tmp_path, spatialdata_python):
+    source = ad.read_h5ad(VISIUM)
+    source.X = sp.csr_matrix(source.X)
+    root = tmp_path / "visium.dc"
+    dc.write_deltacells(source, root, spatial_key="spatial", progress=False)
+    with pytest.raises(ValueError, match="point_radius"):
+        to_spatialdata(root, tmp_path / "no.zarr")
+    out = to_spatialdata(root, tmp_path / "visium.zarr", point_radius=27.5, overwrite=True)
+    dataset = dc.open_dataset(root)
+    order = dataset.cell_order()
+    stored_names = list(source.obs_names[order])
+
+    got = read_back(spatialdata_python, out)
+    assert got["n_shapes"] == source.n_obs and got["index"] == stored_names
+    assert got["geom_types"] == ["Point"] and set(got["radius"]) == {27.5}
+    assert got["table_shape"] == list(source.shape)
+    assert got["csr"] == "csr" and got["csc"] == "csc" and got["same_values"]
+    assert got["X_sum"] == pytest.approx(float(source.X.sum()))
+    assert got["instance"] == stored_names  # table rows in the shapes' order
+    assert got["region"] == "cells" and got["annotates"] == ["cells"]
+
+    # RFC 4's additions, read directly
+    element = zarr.open_group(str(out / "shapes" / "cells"), mode="r")
+    index = dataset.spatial_index()
+    assert element.attrs["spatial_index"]["grid_shape"] == list(index.grid_shape)
+    assert element.attrs["spatial_index"]["margin"] == list(index.margin)
+    offsets = element["index/0/tile_offsets"][:]
+    np.testing.assert_array_equal(offsets, dataset.spatial().tile_offsets)
+    parquet = pq.ParquetFile(out / "shapes" / "cells" / "shapes.parquet")
+    assert parquet.metadata.num_row_groups == index.n_grid_tiles  # empty tiles included
+    sizes = [parquet.metadata.row_group(i).num_rows for i in range(index.n_grid_tiles)]
+    assert sizes == np.diff(offsets).tolist()
+    geo = json.loads(parquet.metadata.metadata[b"geo"])
+    assert geo["columns"]["geometry"]["encoding"] == "point"  # GeoArrow, not WKB
+
+
+def test_polygons_export_as_multipolygons(tmp_path, spatialdata_python):
+    from test_writer import small_adata
+
+    adata = small_adata(n_cells=200, seed=4)
+    rng = np.random.default_rng(4)
+    centres = rng.uniform(0, 100, (200, 2))
+    polys = [shapely.box(x - 1, y - 1, x + 1, y + 1) for x, y in centres]
+    polys[0] = shapely.MultiPolygon([polys[0], shapely.box(-5, -5, -4, -4)])
+    root = tmp_path / "poly.dc"
+    shapes = gpd.GeoDataFrame(geometry=polys, index=adata.obs_names)
+    dc.write_deltacells(adata, root, shapes=shapes, grid_tile_size=20, progress=False)
+    assert main(["export-spatialdata", str(root), str(tmp_path / "poly.zarr")]) == 0
+    got = read_back(spatialdata_python, tmp_path / "poly.zarr")
+    assert got["geom_types"] == ["MultiPolygon"] and got["radius"] is None
+    assert got["n_shapes"] == 200 and got["same_values"]
+    order = dc.open_dataset(root).cell_order()
+    assert got["index"] == list(adata.obs_names[order])
+
+
+def test_export_needs_spatial_order(tmp_path):
+    from test_writer import small_adata
+
+    dc.write_deltacells(small_adata(), tmp_path / "d", progress=False)
+    with pytest.raises(ValueError, match="not written in spatial order"):
+        to_spatialdata(tmp_path / "d", tmp_path / "out.zarr")
