@@ -118,6 +118,11 @@ def test_polygons_export_as_multipolygons(tmp_path, spatialdata_python):
     assert got["n_shapes"] == 200 and got["same_values"]
     order = dc.open_dataset(root).cell_order()
     assert got["index"] == list(adata.obs_names[order])
+    # geopandas reads the GeoArrow parquet too, geometries exact
+    frame = gpd.read_parquet(tmp_path / "poly.zarr" / "shapes" / "cells" / "shapes.parquet")
+    assert list(frame.index) == list(adata.obs_names[order])
+    expected = [polys[i] for i in order]
+    assert all(shapely.equals(a, b) for a, b in zip(frame.geometry, expected, strict=True))
 
 
 def test_export_needs_spatial_order(tmp_path):
@@ -126,3 +131,84 @@ def test_export_needs_spatial_order(tmp_path):
     dc.write_deltacells(small_adata(), tmp_path / "d", progress=False)
     with pytest.raises(ValueError, match="not written in spatial order"):
         to_spatialdata(tmp_path / "d", tmp_path / "out.zarr")
+
+
+#: Runs spatialdata's bounding_box_query on the boxes given as JSON; prints the selected
+#: shape names per box.
+BOX_QUERIES = r"""
+import json, sys
+import spatialdata as sd
+from spatialdata import bounding_box_query
+s = sd.read_zarr(sys.argv[1])
+shapes = s.shapes[sys.argv[2]]
+out = []
+for box in json.loads(sys.argv[3]):
+    hit = bounding_box_query(shapes, axes=("x", "y"), min_coordinate=box[:2],
+                             max_coordinate=box[2:], target_coordinate_system="global")
+    out.append([] if hit is None else [str(i) for i in hit.index])
+print(json.dumps(out))
+"""
+
+
+def spatialdata_boxes(python: str, store: Path, boxes: list, shapes="cells") -> list[set]:
+    done = subprocess.run([python, "-c", BOX_QUERIES, str(store), shapes, json.dumps(boxes)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [set(names) for names in json.loads(done.stdout.strip().splitlines()[-1])]
+
+
+def random_boxes(points: np.ndarray, n: int, seed: int) -> list[list[float]]:
+    rng = np.random.default_rng(seed)
+    lo, hi = points.min(axis=0), points.max(axis=0)
+    corner = rng.uniform(lo, hi, size=(n, 2))
+    size = rng.uniform(0.002, 0.25, size=(n, 2)) * (hi - lo)
+    return [[*map(float, c), *map(float, c + w)] for c, w in zip(corner, size, strict=True)]
+
+
+def test_box_queries_agree_with_spatialdata_on_visium(tmp_path, spatialdata_python):
+    """spatialdata keeps circles by their centre: that is deltacells' mode="centroid" (the
+    default "intersects" also keeps circles that only reach into the box; test_spatial.py
+    checks that rule against brute force)."""
+    source = ad.read_h5ad(VISIUM)
+    root = tmp_path / "visium.dc"
+    dc.write_deltacells(source, root, spatial_key="spatial", progress=False)
+    out = to_spatialdata(root, tmp_path / "visium.zarr", point_radius=27.5)
+    boxes = random_boxes(source.obsm["spatial"], 300, seed=1)
+    theirs = spatialdata_boxes(spatialdata_python, out, boxes)
+    dataset = dc.open_dataset(root)
+    names = np.asarray(source.obs_names[dataset.cell_order()])
+    selected = 0
+    for box, expected in zip(boxes, theirs, strict=True):
+        ours = set(names[dataset.query_bbox(box, mode="centroid").rows])
+        assert ours == expected, box
+        selected += len(ours)
+    assert selected > 1000
+
+
+def test_polygon_box_queries_against_spatialdata(tmp_path, spatialdata_python):
+    """For polygons spatialdata keeps those that intersect the box, as deltacells' default
+    rule does (both checked on 300 boxes; exact polygons, borders included)."""
+    from test_writer import small_adata
+
+    adata = small_adata(n_cells=400, seed=6)
+    rng = np.random.default_rng(6)
+    centres = rng.uniform(0, 300, (400, 2))
+    sizes = rng.uniform(0.5, 12, 400)  # varied polygon sizes
+    polys = [shapely.Polygon([(x - s, y - s / 2), (x + s, y - s), (x + s / 3, y + s)])
+             for (x, y), s in zip(centres, sizes, strict=True)]  # fmt: skip
+    root = tmp_path / "poly.dc"
+    dc.write_deltacells(adata, root, shapes=gpd.GeoDataFrame(geometry=polys,
+                        index=adata.obs_names), grid_tile_size=30, progress=False)  # fmt: skip
+    out = to_spatialdata(root, tmp_path / "poly.zarr")
+    boxes = random_boxes(centres, 300, seed=2)
+    theirs = spatialdata_boxes(spatialdata_python, out, boxes)
+    dataset = dc.open_dataset(root)
+    names = np.asarray(adata.obs_names[dataset.cell_order()])
+    stored = np.asarray(polys, dtype=object)[dataset.cell_order()]
+    differ = 0
+    for box, expected in zip(boxes, theirs, strict=True):
+        ours = set(names[dataset.query_bbox(box).rows])
+        truth = set(names[shapely.intersects(stored, shapely.box(*box))])
+        assert ours == truth, box
+        differ += ours != expected
+    assert differ == 0
