@@ -168,3 +168,33 @@ def test_reads_in_a_forked_child_after_the_parent_read(pair):
     child.join(timeout=60)
     assert child.exitcode == 0
     assert queue.get(timeout=5) == pytest.approx(adata.X[rows].toarray().sum())
+
+
+def test_ranged_reads_equal_whole_tile_reads(tmp_path, monkeypatch):
+    """ranged_reads=True fetches only the chunks holding the rows: same matrix, fewer bytes."""
+    from deltacells.storage import Store
+
+    adata = small_adata(n_cells=2000, n_genes=150, seed=3)
+    root = tmp_path / "d"
+    dc.write_deltacells(adata, root, tile_size=500, n_chunks=25, progress=False)
+    rng = np.random.default_rng(0)
+    whole = dc.read_deltacells(root, elements=False)
+    ranged = dc.read_deltacells(root, elements=False, ranged_reads=True)
+    for rows in (rng.choice(2000, 30, replace=False), np.arange(480, 530),
+                 np.array([5, 5, 1999, 0, 700]), np.arange(2000)):  # fmt: skip
+        expected = adata.X[rows]
+        assert (ranged.X[rows] != expected).nnz == 0
+        assert (whole.X[rows] != expected).nnz == 0
+    read = {"bytes": 0}
+    original = Store.read_range
+
+    def counting(self, name, start, stop):
+        data = original(self, name, start, stop)
+        read["bytes"] += len(data)
+        return data
+
+    monkeypatch.setattr(Store, "read_range", counting)
+    ranged.X[np.arange(100, 140)]
+    one_tile = dc.open_dataset(root).manifest.tile_bytes[0]
+    assert 0 < read["bytes"] < one_tile / 4
+    assert ranged.X.copy().ranged_reads

@@ -89,6 +89,8 @@ class DeltacellsCSRDataset(CSRDataset):
         Decoding threads; ``None`` resolves like scikit-learn.
     tile_cache_bytes
         Most bytes of tiles kept parsed in memory.
+    ranged_reads
+        Fetch only the chunks a row selection needs, by ranged reads, instead of whole tiles.
     """
 
     format = "csr"
@@ -102,6 +104,7 @@ class DeltacellsCSRDataset(CSRDataset):
         values_dtype: DTypeLike = np.float32,
         n_threads: int | None = None,
         tile_cache_bytes: int = 256 * 2**20,
+        ranged_reads: bool = False,
     ) -> None:
         if column_order not in COLUMN_ORDERS:
             raise ValueError(f"column_order must be one of {COLUMN_ORDERS}, not {column_order!r}")
@@ -110,6 +113,9 @@ class DeltacellsCSRDataset(CSRDataset):
         self.dtype = _value_dtype(values_dtype)
         self.n_threads = n_threads
         self.tile_cache_bytes = tile_cache_bytes
+        #: Fetch only the chunks a row selection needs (no tile CRC check); see
+        #: ``read_deltacells(ranged_reads=...)``.
+        self.ranged_reads = ranged_reads
         self.shape = dataset.shape
         self._limits = dataset.manifest.limits
         self._starts = np.concatenate([[0], self._limits[:-1]]).astype(np.int64)
@@ -132,6 +138,7 @@ class DeltacellsCSRDataset(CSRDataset):
             "values_dtype": self.dtype.str,
             "n_threads": self.n_threads,
             "tile_cache_bytes": self.tile_cache_bytes,
+            "ranged_reads": self.ranged_reads,
         }
 
     def __setstate__(self, state: dict) -> None:
@@ -142,6 +149,7 @@ class DeltacellsCSRDataset(CSRDataset):
             values_dtype=np.dtype(state["values_dtype"]),
             n_threads=state["n_threads"],
             tile_cache_bytes=state["tile_cache_bytes"],
+            ranged_reads=state.get("ranged_reads", False),
         )
 
     def __dask_tokenize__(self) -> tuple:
@@ -212,15 +220,47 @@ class DeltacellsCSRDataset(CSRDataset):
     def get_rows(self, rows: np.ndarray) -> sp.csr_matrix:
         """Cells ``rows`` (int64 positions, any order, repeats allowed) as CSR.
 
-        Every touched tile decodes its rows straight into their places in one output.
+        Every touched tile decodes its rows straight into their places in one output. With
+        :attr:`ranged_reads`, only the chunks holding the rows are fetched instead.
         """
         n_genes = self.shape[1]
         if rows.size == 0:
             return sp.csr_matrix((0, n_genes), dtype=self.dtype)
+        if self.ranged_reads:
+            return self._get_rows_ranged(rows)
         touched, groups, local = group_by_tile(rows, self._limits)
         tiles = self.tiles(touched.tolist())
         return gather_cells(tiles, groups, local, n_genes, self.dtype, self.n_threads,
                             self._to_source)  # fmt: skip
+
+    def _get_rows_ranged(self, rows: np.ndarray) -> sp.csr_matrix:
+        """Rows by ranged reads of the chunks holding them (header, chunk table, indptr slice
+        and frames of each run of touched chunks; see :class:`~deltacells.ranged.RangedTile`).
+        The tiles' CRCs are not checked this way: every other check is."""
+        from deltacells.ranged import RangedTile
+
+        m = self.dataset.manifest
+        order = np.argsort(rows, kind="stable")
+        ordered = rows[order]
+        tile_of = np.searchsorted(self._limits, ordered, side="right")
+        pieces = []
+        for t in np.unique(tile_of):
+            local = ordered[tile_of == t] - self._starts[t]
+            ranged = RangedTile(self.dataset.store, tile_name(int(t)), m.tile_bytes[t])
+            chunk_ends = ranged.chunk_table()[:, 1].astype(np.int64)
+            chunk_of = np.searchsorted(chunk_ends, local, side="right")
+            # Runs of consecutive touched chunks are read together.
+            touched = np.unique(chunk_of)
+            breaks = np.flatnonzero(np.diff(touched) > 1) + 1
+            for run in np.split(touched, breaks):
+                in_run = local[(chunk_of >= run[0]) & (chunk_of <= run[-1])]
+                tile, first = ranged.rows_tile(int(in_run[0]), int(in_run[-1]) + 1)
+                decoded = tile.decode(self.dtype, col_map=self._to_source)
+                pieces.append(decoded[in_run - first])
+        matrix = sp.vstack(pieces, format="csr") if len(pieces) > 1 else pieces[0]
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        return matrix[inverse]
 
     def __getitem__(self, index: Any) -> sp.csr_matrix | float:
         """Rows and columns the way scipy and anndata index a CSR matrix."""
@@ -323,7 +363,8 @@ class DeltacellsCSRDataset(CSRDataset):
         the copy shares the opened dataset and starts with an empty tile cache."""
         return DeltacellsCSRDataset(self.dataset, column_order=self.column_order,
                                     values_dtype=self.dtype, n_threads=self.n_threads,
-                                    tile_cache_bytes=self.tile_cache_bytes)  # fmt: skip
+                                    tile_cache_bytes=self.tile_cache_bytes,
+                                    ranged_reads=self.ranged_reads)  # fmt: skip
 
     def _tile_reduce(self, per_tile: Callable[[sp.csr_matrix], np.ndarray]) -> list:
         return [per_tile(self.tile_matrix(t)) for t in range(self.dataset.manifest.n_tiles)]
@@ -570,6 +611,7 @@ def read_deltacells(
     bbox: tuple[float, float, float, float] | None = None,
     bbox_mode: str = "intersects",
     row_order: str = "stored",
+    ranged_reads: bool = False,
 ) -> ad.AnnData:
     """Open a deltacells dataset as an AnnData with a lazily decoded X.
 
@@ -614,6 +656,11 @@ def read_deltacells(
         datasets store them in another order than written); ``"source"``: in the order they
         were written, undoing ``cell_order.npy`` (a view of the lazy AnnData, so X still
         decodes only what a slice touches). The same for datasets stored in source order.
+    ranged_reads
+        Row selections fetch only the chunks holding the rows (the header, chunk table,
+        indptr slice and frames of each tile touched) instead of whole tiles: fewer bytes for
+        small or clustered selections, such as a box. Every structural and frame check still
+        runs; the tile's CRC, which covers the whole tile, cannot (``verify`` checks it).
 
     Returns
     -------
@@ -628,6 +675,7 @@ def read_deltacells(
         "n_threads": n_threads,
         "tile_cache_bytes": tile_cache_bytes,
         "dask": dask,
+        "ranged_reads": ranged_reads,
     }
     X = _lazy_matrix(dataset, options)
     var = _var(dataset, column_order)
@@ -649,6 +697,7 @@ def _lazy_matrix(dataset: Dataset, options: dict) -> Any:
     matrix = DeltacellsCSRDataset(
         dataset, column_order=options["column_order"], values_dtype=options["values_dtype"],
         n_threads=options["n_threads"], tile_cache_bytes=options["tile_cache_bytes"],
+        ranged_reads=options.get("ranged_reads", False),
     )  # fmt: skip
     return matrix.to_dask() if options["dask"] else matrix
 

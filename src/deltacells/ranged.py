@@ -71,6 +71,12 @@ class RangedTile:
         data = self._read(HEADER_SIZE + self.entry * first, HEADER_SIZE + self.entry * stop)
         return np.frombuffer(data, dtype="<u8").reshape(stop - first, self.entry // 8)
 
+    def chunk_table(self) -> np.ndarray:
+        """The whole chunk table (``n_chunks x 12``, uint64), read once."""
+        if self._table is None:
+            self._table = self._entries(0, self.header.n_chunks)
+        return self._table
+
     def _chunks_for(self, lo: int, hi: int) -> tuple[int, np.ndarray]:
         """First chunk id and the table entries of the chunks holding rows ``lo:hi``."""
         n = self.header.n_chunks
@@ -80,9 +86,7 @@ class RangedTile:
                 entries = self._entries(first, last + 1)
                 if entries[0, 0] <= lo and entries[-1, 1] >= hi:
                     return first, entries
-        if self._table is None:
-            self._table = self._entries(0, n)
-        table = self._table
+        table = self.chunk_table()
         first = int(np.searchsorted(table[:, 1], lo, side="right"))
         last = int(np.searchsorted(table[:, 1], hi - 1, side="right"))
         if last >= n:
