@@ -50,9 +50,9 @@ def test_default_grid_rule():
     xy = rng.uniform(0, 1000, size=(20_000, 2))
     origin, size, shape = choose_grid(xy)
     assert origin == tuple(xy.min(axis=0))
-    # about 1,000 cells per tile: 20 tiles over the box, square
+    # about 250 cells per tile: 80 tiles over the box, square
     assert size[0] == size[1]
-    assert 16 <= shape[0] * shape[1] <= 30
+    assert 70 <= shape[0] * shape[1] <= 100
     assert np.bincount(tile_ids(xy, index(origin, size, shape))).mean() == pytest.approx(
         20_000 / (shape[0] * shape[1]))  # fmt: skip
     assert choose_grid(xy, grid_tile_size=100.0, origin=(0, 0))[2] == (10, 10)

@@ -249,9 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--tile-size", type=int, default=None,
                          help=f"cells per tile, one object each (default: {DEFAULT_TILE_SIZE}, "
                          "fewer for data with many counts above 65535)")
-    convert.add_argument("--n-chunks", type=int, default=DEFAULT_N_CHUNKS,
-                         help="independently decodable chunks per tile; about tile-size / 8 "
-                         "for fast random-cell access")
+    convert.add_argument("--n-chunks", type=int, default=None,
+                         help=f"independently decodable chunks per tile (default: "
+                         f"{DEFAULT_N_CHUNKS}, or tile-size / 64 with --spatial-key/--shapes); "
+                         "about tile-size / 8 for fast random-cell access")
     convert.add_argument("--level", type=int, default=DEFAULT_LEVEL,
                          help="zstd level (19: smallest, slowest to write)")
     convert.add_argument("--gene-order", choices=["total_counts", "none"], default="total_counts",
@@ -272,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "circles with a radius column, polygons)")  # fmt: skip
     convert.add_argument("--grid-tile-size", type=float, default=None, metavar="SIZE",
                          help="side of the spatial grid's square tiles, in the coordinates' "
-                              "units (default: about 1,000 cells per tile)")  # fmt: skip
+                              "units (default: about 250 cells per tile)")  # fmt: skip
     convert.add_argument("--obs-exclude", nargs="*", default=[], metavar="COLUMN",
                          help="obs columns to leave out")
     convert.add_argument("--no-obs", action="store_true", help="do not write obs")

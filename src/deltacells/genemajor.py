@@ -229,9 +229,12 @@ class GeneMajor:
         store = self.dataset.store
         blocks = range(self.n_blocks)
         if store.is_local or self.n_blocks < 2:
+            # Local reads are quick next to the per-block work; threads only add contention
+            # for the GIL (measured: 5.8 ms sequential vs 10 ms threaded for 13 blocks).
             per_block = [self._block_rows(b, unique, dtype) for b in blocks]
         else:
-            with ThreadPoolExecutor(max_workers=store.io_threads) as pool:
+            # Remote blocks in parallel, overlapping their requests' latency.
+            with ThreadPoolExecutor(max_workers=min(self.n_blocks, store.io_threads)) as pool:
                 per_block = list(pool.map(lambda b: self._block_rows(b, unique, dtype), blocks))
         columns = []
         for i in range(len(unique)):

@@ -25,6 +25,10 @@ from deltacells.storage import Store
 
 __all__ = ["RangedTile"]
 
+#: Bytes read after the header in the first request, so that small chunk tables (a CSR tile's
+#: 8 entries, a gene-major block's few hundred) need no request of their own.
+TABLE_PREFETCH = 8 * 1024
+
 
 class RangedTile:
     """One stored tile read piecewise: :meth:`rows_tile` returns its rows ``lo:hi`` as a small
@@ -44,7 +48,8 @@ class RangedTile:
     def __init__(self, store: Store, name: str, size: int, chunk_rows: int | None = None) -> None:
         self.store, self.name, self.size, self.chunk_rows = store, name, size, chunk_rows
         self.where = store.describe(name)
-        head = store.read_range(name, 0, min(HEADER_SIZE, size))
+        # The header and, when it is small, the whole chunk table in one read.
+        head = store.read_range(name, 0, min(HEADER_SIZE + TABLE_PREFETCH, size))
         self.header: TileHeader = parse_header(head, self.where, object_size=size)
         if self.header.version != 2:
             raise FormatError(f"{self.where}: ranged reads need a version 2 tile")
@@ -57,6 +62,9 @@ class RangedTile:
                               "bytes")  # fmt: skip
         self.bytes_read = len(head)
         self._table: np.ndarray | None = None
+        if table_end <= len(head):
+            self._table = np.frombuffer(head[HEADER_SIZE:table_end], dtype="<u8").reshape(
+                h.n_chunks, self.entry // 8)  # fmt: skip
 
     def _read(self, start: int, stop: int) -> bytes:
         data = self.store.read_range(self.name, start, stop)
@@ -80,7 +88,7 @@ class RangedTile:
     def _chunks_for(self, lo: int, hi: int) -> tuple[int, np.ndarray]:
         """First chunk id and the table entries of the chunks holding rows ``lo:hi``."""
         n = self.header.n_chunks
-        if self.chunk_rows:
+        if self.chunk_rows and self._table is None:
             first, last = lo // self.chunk_rows, (hi - 1) // self.chunk_rows
             if last < n:
                 entries = self._entries(first, last + 1)

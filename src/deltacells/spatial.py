@@ -33,9 +33,9 @@ __all__ = [
 ]
 
 #: The default grid aims at this many cells per grid tile on average over the centroids'
-#: bounding box: a viewer's tile then holds a few hundred to a few thousand cells, and a box
-#: query over-reads at most a ring of such tiles.
-DEFAULT_CELLS_PER_GRID_TILE = 1000
+#: bounding box: small enough that a box of 1% of the area over-reads little (a ring of grid
+#: tiles around it), large enough that ``tile_offsets`` stays small (8 bytes per grid tile).
+DEFAULT_CELLS_PER_GRID_TILE = 250
 #: Most grid tiles a dataset may declare (``tile_offsets`` is read whole when opened: 8 MiB).
 MAX_GRID_TILES = 2**20
 SELECT_MODES = ("intersects", "centroid")

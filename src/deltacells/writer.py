@@ -61,6 +61,8 @@ __all__ = ["DEFAULT_TILE_SIZE", "OBS_INDEX_COLUMN", "write_deltacells"]
 #: size for one GET, and small enough that shuffling buffers of several tiles stay modest.
 DEFAULT_TILE_SIZE = 4096
 CELL_ORDER_NAME = CELL_ORDER_FILE
+#: Cells per chunk by default when writing in spatial order.
+SPATIAL_CELLS_PER_CHUNK = 64
 JOINS = ("same", "inner", "outer")
 
 
@@ -669,7 +671,7 @@ def write_deltacells(
     path: str | os.PathLike,
     *,
     tile_size: int | None = None,
-    n_chunks: int = DEFAULT_N_CHUNKS,
+    n_chunks: int | None = None,
     zstd_level: int = DEFAULT_LEVEL,
     gene_order: str | Sequence[int] | np.ndarray = "total_counts",
     obs: bool = True,
@@ -716,7 +718,10 @@ def write_deltacells(
         An explicit size that cannot hold the data is refused naming the size that would.
     n_chunks
         Independently decodable chunks per tile: the unit a row selection decompresses. The
-        default (about 512 cells per chunk with 4,096-cell tiles) keeps files smallest and
+        default is 8, or one chunk per 64 cells for spatial order (a box's cells are a few
+        short runs of rows, so small chunks are what it decodes and, with
+        ``ranged_reads``, fetches). 8 (about 512 cells per chunk with 4,096-cell tiles) keeps
+        files smallest and
         whole-tile decoding fastest; random cell access (``X[random_rows]``,
         ``Loader(shuffle="cells")``) decompresses every chunk a selected cell lives in, so for
         it write ``n_chunks=tile_size // 8`` or so, at a cost of a few percent in size and
@@ -747,7 +752,7 @@ def write_deltacells(
         GeoDataFrame or GeoParquet path with one shape per cell indexed by obs name (points,
         points with a ``radius`` column for circles, polygons, multipolygons). The grid has
         square tiles of ``grid_tile_size`` from ``origin`` (default: the centroids' lower-left
-        corner and tiles holding about 1,000 cells on average). Stores the grid, the margin,
+        corner and tiles holding about 250 cells on average). Stores the grid, the margin,
         ``spatial/tile_offsets.npy``, the centroids and shapes in stored order, and the cell
         order; :meth:`Dataset.query_bbox` and ``read_deltacells(..., bbox=...)`` use them.
         A single input only; not with ``shuffle`` or ``cell_order``.
@@ -806,7 +811,7 @@ def write_deltacells(
     """
     chosen_tile_size = tile_size is not None
     tile_size = DEFAULT_TILE_SIZE if tile_size is None else tile_size
-    if tile_size < 1 or n_chunks < 1 or obs_tiles_per_file < 1:
+    if tile_size < 1 or (n_chunks is not None and n_chunks < 1) or obs_tiles_per_file < 1:
         raise ValueError("tile_size, n_chunks and obs_tiles_per_file must be >= 1")
     sources = list(source) if isinstance(source, list | tuple) else [source]
     if not sources:
@@ -837,6 +842,10 @@ def write_deltacells(
         totals, fitting = _check_and_total(parts, col_maps, n_genes, tile_size, progress_bar,
                                            cache, budget)  # fmt: skip
         tile_size = _settle_tile_size(tile_size, fitting, chosen_tile_size)
+        if n_chunks is None:
+            spatially = spatial_key is not None or shapes is not None
+            n_chunks = max(DEFAULT_N_CHUNKS, tile_size // SPATIAL_CELLS_PER_CHUNK) \
+                if spatially else DEFAULT_N_CHUNKS  # fmt: skip
         order = _resolve_gene_order(gene_order, totals)
         n_cells = sum(p.n_obs for p in parts)
         spatial = None
