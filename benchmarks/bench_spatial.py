@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -181,6 +182,35 @@ def time_h5ad_box(path: Path, box, repeats: int):
     return statistics.median(times), cells
 
 
+BUILD_CHILD = r"""
+import json, resource, sys, time
+import deltacells as dc
+dataset = dc.open_dataset(sys.argv[1])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t = time.perf_counter()
+record = dc.add_gene_major(dataset)
+print(json.dumps({"s": time.perf_counter() - t, "rss_before_mb": before / 1024,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "block_cells": record["block_cells"], "n_blocks": record["n_blocks"]}))
+"""
+
+
+def build_rss(adata, shapes, tmp: Path) -> dict:
+    """Peak RSS of building the gene-major companion, each size in a fresh process: it
+    should stay flat as the dataset grows (memory is bounded by one block)."""
+    import sys
+
+    out = {}
+    for n in (adata.n_obs // 4, adata.n_obs):
+        path = tmp / f"build-{n}.dc"
+        dc.write_deltacells(adata[:n].copy(), path, shapes=shapes.iloc[:n], progress=False)
+        done = subprocess.run([sys.executable, "-c", BUILD_CHILD, str(path)], check=True,
+                              capture_output=True, text=True)  # fmt: skip
+        out[str(n)] = json.loads(done.stdout.strip().splitlines()[-1])
+        shutil.rmtree(path)
+    return out
+
+
 def one_gene(paths: dict, gene: str, j: int, repeats: int) -> dict:
     import zarr
 
@@ -265,6 +295,16 @@ def main() -> None:
 
         manifest = dc.open_dataset(paths["deltacells"]).manifest
         tiles = sum(manifest.tile_bytes)
+        # What the spatial default of 64-cell chunks costs in size, next to 8 chunks per tile.
+        eight = tmp / "eight.dc"
+        dc.write_deltacells(adata, eight, shapes=shapes, n_chunks=8, progress=False)
+        results["chunking"] = {
+            "n_chunks_default_spatial": manifest.n_chunks,
+            "tile_bytes_default_spatial": tiles,
+            "tile_bytes_8_chunks": sum(dc.open_dataset(eight).manifest.tile_bytes),
+        }  # fmt: skip
+        results["chunking"]["size_ratio"] = tiles / results["chunking"]["tile_bytes_8_chunks"]
+        shutil.rmtree(eight)
         companion = sum(manifest.metadata["gene_major"]["block_bytes"])
         results["sizes"] = {
             "deltacells_dataset": folder_bytes(paths["deltacells"]),
@@ -315,6 +355,7 @@ def main() -> None:
                 results["spatialdata"] = {"write_s": child["write_s"],
                                           "read_zarr_s": child["read_zarr_s"],
                                           "size": folder_bytes(paths["spatialdata"])}  # fmt: skip
+        results["gene_major_build"] = build_rss(adata, shapes, tmp)
         nnz_per_gene = np.diff(adata.X.tocsc().indptr)
         j = int(np.argsort(nnz_per_gene)[len(nnz_per_gene) // 2])  # a median gene
         gene = str(adata.var_names[j])
@@ -400,7 +441,13 @@ def table(results: dict) -> None:
         f"{s['deltacells_gene_major'] / mb:.1f} MB ({s['companion_vs_tiles']:.2f}x the tiles), "
         f"spatial part {s['deltacells_spatial'] / mb:.1f} MB; h5ad CSR {s['h5ad_csr'] / mb:.0f} "
         f"MB, zarr CSC {s['zarr_csc'] / mb:.0f} MB, the SpatialData export "
-        f"{s['export_spatialdata'] / mb:.0f} MB (export {results['export_s']:.1f} s).",
+        f"{s['export_spatialdata'] / mb:.0f} MB (export {results['export_s']:.1f} s). "
+        f"Chunks of 64 cells ({results['chunking']['n_chunks_default_spatial']} per tile, the "
+        f"spatial default) make the tiles {results['chunking']['size_ratio']:.3f}x the size "
+        "of 8 chunks per tile. Building the gene-major companion: "
+        + ", ".join(f"{int(n):,} cells {v['s']:.1f} s, peak RSS {v['peak_rss_mb']:.0f} MB "
+                    f"({v['n_blocks']} blocks of {v['block_cells']:,})"
+                    for n, v in results["gene_major_build"].items()) + ".",
         "",
         f"Targets: a 1% box reads {t['box_1pct_bytes_fraction_ranged']:.1%} of the dataset's "
         f"bytes with ranged reads (target <= 3%); one gene reads "

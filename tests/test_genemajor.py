@@ -224,3 +224,16 @@ def test_ranged_reads_of_damaged_blocks_raise_only_format_errors(small):
     block.write_bytes(clean)
     assert outcomes["error"] > 50
     assert sum(outcomes.values()) == 150
+
+
+def test_default_block_size_follows_the_nonzeros_per_cell(tmp_path, monkeypatch):
+    import deltacells.genemajor as genemajor
+
+    adata = small_adata(n_cells=3000, n_genes=100, seed=2)  # about 10 nonzeros per cell
+    root = tmp_path / "d"
+    dc.write_deltacells(adata, root, progress=False)
+    assert add_gene_major(dc.open_dataset(root))["block_cells"] == 65_536
+    monkeypatch.setattr(genemajor, "BLOCK_NNZ_BUDGET", 20_000)  # ~2,000 cells' nonzeros
+    record = add_gene_major(dc.open_dataset(root))
+    assert record["block_cells"] == 1024 and record["n_blocks"] == 3
+    assert (dc.open_dataset(root).genes(list(range(100))) != adata.X).nnz == 0

@@ -32,10 +32,18 @@ __all__ = [
     "block_name",
 ]
 
-#: Cells per block. A block is transposed in memory (about 12 bytes per nonzero, twice), so
-#: 16,384 cells of 10x data (~2,000 genes per cell) take about 0.8 GB at most; cell gaps within
-#: a block stay below 65,536, so the gap stream never needs exceptions.
-DEFAULT_BLOCK_CELLS = 16_384
+#: Most nonzeros a block holds by default. A block is transposed in memory (about 24 bytes
+#: per nonzero at the peak), so this bounds the build's memory to about 0.8 GB whatever the
+#: dataset's size.
+BLOCK_NNZ_BUDGET = 2**25
+#: Most cells a block may hold: cell gaps within a block then stay below 65,536, so the gap
+#: stream never needs exceptions.
+MAX_BLOCK_CELLS = 65_536
+#: ``block_cells=None``: the largest power of two of cells (1,024 to 65,536) whose expected
+#: nonzeros fit :data:`BLOCK_NNZ_BUDGET`: fewer, larger blocks make one-gene reads cheaper
+#: (one small read per block), the budget keeps the build's memory bounded. 10x data
+#: (~2,000 genes per cell) gets 16,384 cells, Visium spots (~270) 65,536.
+DEFAULT_BLOCK_CELLS = None
 #: Genes per chunk: the unit a one-gene read decompresses.
 DEFAULT_CHUNK_GENES = 16
 RECORD_FORMAT = "deltacells-gene-major"
@@ -75,7 +83,7 @@ def _block_blob(dataset: Any, lo: int, hi: int, chunk_genes: int, level: int,
 def add_gene_major(
     dataset: Any,
     *,
-    block_cells: int = DEFAULT_BLOCK_CELLS,
+    block_cells: int | None = DEFAULT_BLOCK_CELLS,
     chunk_genes: int = DEFAULT_CHUNK_GENES,
     zstd_level: int | None = None,
     n_threads: int | None = None,
@@ -92,7 +100,8 @@ def add_gene_major(
     dataset
         A :class:`~deltacells.Dataset` (writable location).
     block_cells
-        Cells per block, 1 to 65,536.
+        Cells per block, 1 to 65,536; ``None`` chooses from the data (see
+        :data:`DEFAULT_BLOCK_CELLS`).
     chunk_genes
         Genes per chunk inside a block.
     zstd_level
@@ -107,11 +116,15 @@ def add_gene_major(
     dict
         The ``gene_major`` record written into the manifest metadata.
     """
-    if not 1 <= block_cells <= 65_536:
-        raise ValueError(f"block_cells must be 1..65536, not {block_cells}")
+    m = dataset.manifest
+    if block_cells is None:
+        per_cell = max(m.nnz / max(m.n_cells, 1), 1.0)
+        fits = int(np.clip(BLOCK_NNZ_BUDGET / per_cell, 1024, MAX_BLOCK_CELLS))
+        block_cells = 1 << (fits.bit_length() - 1)
+    if not 1 <= block_cells <= MAX_BLOCK_CELLS:
+        raise ValueError(f"block_cells must be 1..{MAX_BLOCK_CELLS}, not {block_cells}")
     if chunk_genes < 1:
         raise ValueError(f"chunk_genes must be >= 1, not {chunk_genes}")
-    m = dataset.manifest
     level = m.zstd_level if zstd_level is None else zstd_level
     level = DEFAULT_LEVEL if level is None else level
     n_blocks = -(-m.n_cells // block_cells)

@@ -757,10 +757,11 @@ def write_deltacells(
         order; :meth:`Dataset.query_bbox` and ``read_deltacells(..., bbox=...)`` use them.
         A single input only; not with ``shuffle`` or ``cell_order``.
     gene_major
-        Also build the gene-major companion (``genes/``: each block of up to 16,384 cells
-        transposed, same codec), so that one gene for every cell is a few small reads
-        (:meth:`Dataset.genes`, ``adata[:, ["CD3E"]].X``). Adds about as many bytes as the
-        tiles; it can be added later with ``deltacells add-gene-major``.
+        Also build the gene-major companion (``genes/``: each block of up to 65,536 cells
+        transposed, same codec; block size chosen from the data), so that one gene for every
+        cell is a few small reads (:meth:`Dataset.genes`, ``adata[:, ["CD3E"]].X``). Adds
+        about as many bytes as the tiles; it can be added later with
+        ``deltacells add-gene-major``.
     obs_exclude
         obs columns to leave out (e.g. datetimes, which the format does not store).
     max_categories
