@@ -55,6 +55,9 @@ def test_every_sampled_gene_equals_the_column(liao):
     assert (got != expected).nnz == 0
     with pytest.raises(KeyError, match="no gene named 'NOT-A-GENE'"):
         dataset.genes("NOT-A-GENE")
+    assert (dataset.gene("CD3E") != X[:, [names.index("CD3E")]]).nnz == 0
+    adata = dc.read_deltacells(root)
+    assert (sp.csr_matrix(adata[:, "CD3E"].X) != X[:, [names.index("CD3E")]]).nnz == 0
 
 
 def test_one_gene_reads_a_small_part(liao):

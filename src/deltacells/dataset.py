@@ -156,6 +156,11 @@ class Dataset:
             self._gene_major = GeneMajor(self)
         return self._gene_major
 
+    def gene(self, gene: str | int, values_dtype: Any = np.float32) -> sp.csc_matrix:
+        """One gene for every cell (``ds.gene("CD3E")``): :meth:`genes` of one name or
+        source position, a cells x 1 CSC matrix."""
+        return self.genes([gene], values_dtype=values_dtype)
+
     def genes(self, genes: Sequence[str | int] | str | int, values_dtype: Any = np.float32,
               column_order: str = "source") -> sp.csc_matrix:  # fmt: skip
         """Genes for every cell, read from the gene-major companion (a few small ranged reads
