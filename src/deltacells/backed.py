@@ -221,7 +221,7 @@ class DeltacellsCSRDataset(CSRDataset):
         """Cells ``rows`` (int64 positions, any order, repeats allowed) as CSR.
 
         Every touched tile decodes its rows straight into their places in one output. With
-        :attr:`ranged_reads`, only the chunks holding the rows are fetched instead.
+        ``ranged_reads``, only the chunks holding the rows are fetched instead.
         """
         n_genes = self.shape[1]
         if rows.size == 0:

@@ -74,6 +74,18 @@ def _spatial_line(spatial: dict) -> str:
 
 
 def _write(args: argparse.Namespace, sources):
+    if args.scheduler:
+        try:
+            from distributed import Client
+        except ImportError:
+            raise ValueError("--scheduler needs dask.distributed: pip install "
+                             "'deltacells[dask]'") from None  # fmt: skip
+        with Client(args.scheduler) as client:
+            return _write_with(args, sources, client)
+    return _write_with(args, sources, None)
+
+
+def _write_with(args: argparse.Namespace, sources, client):
     return write_deltacells(
         sources,
         args.dst,
@@ -94,6 +106,7 @@ def _write(args: argparse.Namespace, sources):
         obs_exclude=args.obs_exclude,
         n_threads=args.threads,
         n_workers=args.workers,
+        client=client,
         overwrite=args.overwrite,
         progress=not args.quiet,
         elements=not args.no_elements,
@@ -214,6 +227,7 @@ EXAMPLES = {
   deltacells convert a.h5ad b.h5ad atlas.dc --join inner --shuffle
   deltacells convert processed.h5ad out.dc --layer counts     # X from layers["counts"]
   deltacells convert visium.h5ad visium.dc --spatial-key spatial  # for box queries
+  deltacells convert a.h5ad b.h5ad c.h5ad s3://bucket/atlas.dc --join inner --workers 8
   deltacells convert in.h5ad s3://bucket/out.dc --overwrite""",
     "info": """examples:
   deltacells info pbmc.dc
@@ -282,7 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
                          help="store X, obs and var only (not layers, raw, obsm, uns, ...)")
     convert.add_argument("--threads", type=int, default=None,
                          help="compression threads (default: OMP_NUM_THREADS or usable CPUs)")
-    convert.add_argument("--workers", type=int, default=1, help="processes encoding tiles")
+    convert.add_argument("--workers", type=int, default=1,
+                         help="encode tiles on a dask LocalCluster of this many processes")
+    convert.add_argument("--scheduler", metavar="ADDRESS",
+                         help="encode tiles on this dask.distributed cluster (e.g. "
+                         "tcp://host:8786); DST must be reachable from its workers")  # fmt: skip
     convert.add_argument("--overwrite", action="store_true",
                          help="replace a deltacells dataset at DST (nothing else is ever deleted)")
     convert.add_argument("--quiet", action="store_true", help="no progress bars or summary")

@@ -101,7 +101,7 @@ def add_gene_major(
         A :class:`~deltacells.Dataset` (writable location).
     block_cells
         Cells per block, 1 to 65,536; ``None`` chooses from the data (see
-        :data:`DEFAULT_BLOCK_CELLS`).
+        :data:`.DEFAULT_BLOCK_CELLS`).
     chunk_genes
         Genes per chunk inside a block.
     zstd_level

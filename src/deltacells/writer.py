@@ -7,13 +7,13 @@ written before the first pass succeeds. Tiles and shards appear atomically, the 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
 import re
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -592,11 +592,6 @@ def _tile_matrix(
     return matrix
 
 
-def _encode_job(args: tuple) -> bytes:
-    matrix, n_chunks, level, n_threads = args
-    return encode_tile(matrix, n_chunks=n_chunks, level=level, n_threads=n_threads)
-
-
 def _progress_factory(progress: bool) -> Callable:
     if not progress:
         return lambda iterable, **_: iterable
@@ -692,6 +687,7 @@ def write_deltacells(
     obs_tiles_per_file: int = 1000,
     n_threads: int | None = None,
     n_workers: int = 1,
+    client: Any = None,
     overwrite: bool = False,
     progress: bool = True,
     storage_options: dict | None = None,
@@ -770,8 +766,14 @@ def write_deltacells(
         Tiles (row groups) per obs parquet shard.
     n_threads
         Threads compressing chunks of a tile; ``None`` resolves like scikit-learn.
-    n_workers
-        Processes encoding tiles in parallel (1: in this process).
+    n_workers, client
+        Encode tiles on dask.distributed (``pip install 'deltacells[dask]'``): with a
+        ``client``, on its cluster; else with ``n_workers > 1``, on a ``LocalCluster`` of that
+        many worker processes started for this write. Each task opens the input files on its
+        worker (in-memory AnnData are scattered once) and writes its tiles to ``path``, which
+        all workers must reach (a shared directory or an object store). The first pass
+        (checks, gene totals) and the manifest stay in this process. 1 and no client: encode
+        here.
     overwrite
         Replace an existing dataset at ``path``.
     progress
@@ -896,6 +898,7 @@ def write_deltacells(
         else:
             store = target
             store.make_root()
+        stack = contextlib.ExitStack()
         try:
             settings = _Settings(
                 tile_size=tile_size, n_chunks=n_chunks, zstd_level=zstd_level,
@@ -903,7 +906,9 @@ def write_deltacells(
                 seed=seed, use_raw=use_raw, layer=layer, join=join, metadata=metadata,
                 obs_tiles_per_file=obs_tiles_per_file,
                 source=sources[0] if elements and len(sources) == 1 else None,
-                storage_options=storage_options,
+                storage_options=storage_options, inputs=tuple(sources),
+                client=client if client is not None else (
+                    stack.enter_context(_local_client(n_workers)) if n_workers > 1 else None),
             )  # fmt: skip
             if elements and len(sources) > 1:
                 _warn_if_dropped(sources)
@@ -923,6 +928,8 @@ def write_deltacells(
             if replacing:
                 store.remove_tree()
             raise
+        finally:
+            stack.close()  # a LocalCluster started for this write
         return manifest
     finally:
         for part in parts:
@@ -949,6 +956,8 @@ class _Settings:
     obs_tiles_per_file: int
     source: Any = None  # the single input whose other elements are stored too
     storage_options: dict | None = None
+    inputs: tuple = ()  # every input, for dask workers that open them themselves
+    client: Any = None  # a dask.distributed Client encoding tiles (None: this process)
 
 
 def _write_dataset(
@@ -957,10 +966,14 @@ def _write_dataset(
 ) -> Manifest:  # fmt: skip
     """Pass 2: tiles, gene and obs files, and the manifest last (the commit point)."""
     s = settings
-    tile_cells, tile_nnz, tile_bytes, tile_crc32 = _write_tiles(
-        store, parts, plan, s.tile_size, s.n_chunks, s.zstd_level, s.n_threads, s.n_workers,
-        progress_bar, cache,
-    )  # fmt: skip
+    if s.client is not None:
+        tile_cells, tile_nnz, tile_bytes, tile_crc32 = _write_tiles_distributed(
+            s.client, store, s, plan, progress_bar)
+    else:
+        tile_cells, tile_nnz, tile_bytes, tile_crc32 = _write_tiles(
+            store, parts, plan, s.tile_size, s.n_chunks, s.zstd_level, s.n_threads,
+            progress_bar, cache,
+        )  # fmt: skip
     if plan.gene_order is not None:
         store.write_atomic(GENE_ORDER_NAME, _npy_bytes(plan.gene_order.astype(np.int32)))
     if s.var:
@@ -1084,52 +1097,97 @@ def _combined_obs(parts: list[_Part], exclude: Sequence[str], list_input: bool) 
     return combined
 
 
-def _write_tiles(
-    store, parts, plan, tile_size, n_chunks, level, n_threads, n_workers, progress, cache
-):
+def _write_tiles(store, parts, plan, tile_size, n_chunks, level, n_threads, progress, cache):
     n_tiles = -(-plan.n_cells // tile_size)
-    tile_cells, tile_nnz, tile_bytes, tile_crc32 = [], [], [], []
-
-    def matrices():
-        for t in range(n_tiles):
-            rows = _tile_rows(plan, t, tile_size)
-            yield _tile_matrix(parts, plan, rows, plan.cell_order is None, cache)
-
-    def record(t: int, blob: bytes, cells: int) -> None:
-        store.write_atomic(tile_name(t), blob)
-        tile_cells.append(cells)
-        tile_nnz.append(int(np.frombuffer(blob, "<u8", 1, 24)[0]))
-        tile_bytes.append(len(blob))
-        tile_crc32.append(int.from_bytes(blob[56:60], "little"))  # the header's CRC field
-
+    records = []
     bar = progress(range(n_tiles), total=n_tiles, desc="encoding tiles")
     ticks = iter(bar)
     # tqdm counts an item when the next one is asked for: start the bar now, so that the
     # tick after each written tile counts it and the last one closes the bar at n/n.
     next(ticks, None)
-    if n_workers <= 1:
-        for t, matrix in enumerate(matrices()):
-            record(
-                t,
-                encode_tile(matrix, n_chunks=n_chunks, level=level, n_threads=n_threads),
-                matrix.shape[0],
-            )
-            next(ticks, None)
-        return tile_cells, tile_nnz, tile_bytes, tile_crc32
-    import multiprocessing
+    for t in range(n_tiles):
+        rows = _tile_rows(plan, t, tile_size)
+        matrix = _tile_matrix(parts, plan, rows, plan.cell_order is None, cache)
+        blob = encode_tile(matrix, n_chunks=n_chunks, level=level, n_threads=n_threads)
+        records.append(_store_tile(store, t, blob, matrix.shape[0]))
+        next(ticks, None)
+    return _columns(records)
 
-    # spawn, not fork: a forked child inherits OpenMP's thread pool state and can hang.
-    with ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pending = []
-        for t, matrix in enumerate(matrices()):
-            pending.append(
-                (t, matrix.shape[0], pool.submit(_encode_job, (matrix, n_chunks, level, n_threads)))
-            )
-            while len(pending) > 2 * n_workers or (pending and t == n_tiles - 1):
-                done_t, cells, future = pending.pop(0)
-                record(done_t, future.result(), cells)
-                next(ticks, None)
-    return tile_cells, tile_nnz, tile_bytes, tile_crc32
+
+def _store_tile(store: Store, t: int, blob: bytes, cells: int) -> tuple[int, int, int, int]:
+    """Write tile ``t``; return what the manifest records of it."""
+    store.write_atomic(tile_name(t), blob)
+    nnz = int(np.frombuffer(blob, "<u8", 1, 24)[0])
+    return cells, nnz, len(blob), int.from_bytes(blob[56:60], "little")  # header's CRC
+
+
+def _columns(records: list) -> tuple[list, list, list, list]:
+    cells, nnz, sizes, crcs = (list(c) for c in zip(*records, strict=True)) if records \
+        else ([], [], [], [])  # fmt: skip
+    return cells, nnz, sizes, crcs
+
+
+@contextlib.contextmanager
+def _local_client(n_workers: int):
+    """A dask.distributed ``LocalCluster`` of ``n_workers`` processes (one thread each: the
+    kernels parallelise inside a tile) and its client, for one write."""
+    try:
+        from distributed import Client, LocalCluster
+    except ImportError as err:  # pragma: no cover - exercised without the extra
+        raise ImportError("n_workers > 1 needs dask.distributed: pip install "
+                          "'deltacells[dask]'") from err  # fmt: skip
+    with LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
+                      dashboard_address=None) as cluster, Client(cluster) as client:  # fmt: skip
+        yield client
+
+
+#: Tiles one dask task encodes: enough work to amortise opening the inputs, small enough to
+#: balance the workers.
+TILES_PER_TASK = 4
+
+
+def _encode_task(inputs: tuple, layer, use_raw, plan: _Plan, tile_size: int, n_chunks: int,
+                 level: int, n_threads, store: Store, tiles: list[int]) -> list:  # fmt: skip
+    """One dask task: open the inputs here (files are read by the worker, not shipped), then
+    encode and write ``tiles``."""
+    parts = [_open_part(item, layer, use_raw) for item in inputs]
+    try:
+        out = []
+        for t in tiles:
+            rows = _tile_rows(plan, t, tile_size)
+            matrix = _tile_matrix(parts, plan, rows, plan.cell_order is None, {})
+            blob = encode_tile(matrix, n_chunks=n_chunks, level=level, n_threads=n_threads)
+            out.append((t, _store_tile(store, t, blob, matrix.shape[0])))
+        return out
+    finally:
+        for part in parts:
+            part.close()
+
+
+def _write_tiles_distributed(client, store: Store, s: _Settings, plan: _Plan, progress):
+    """Pass 2 on dask.distributed: a task per few tiles opens the inputs on its worker and
+    writes its tiles to the target; the tiles are those of the single-process writer."""
+    from distributed import as_completed
+
+    n_tiles = -(-plan.n_cells // s.tile_size)
+    # Files travel as paths; in-memory AnnData once per worker that needs it.
+    inputs = tuple(client.scatter(item, broadcast=False) if isinstance(item, ad.AnnData)
+                   else item for item in s.inputs)  # fmt: skip
+    plan_future = client.scatter(plan, broadcast=False)
+    groups = [list(range(t, min(t + TILES_PER_TASK, n_tiles)))
+              for t in range(0, n_tiles, TILES_PER_TASK)]  # fmt: skip
+    futures = [client.submit(_encode_task, inputs, s.layer, s.use_raw, plan_future, s.tile_size,
+                             s.n_chunks, s.zstd_level, s.n_threads, store, group,
+                             pure=False) for group in groups]  # fmt: skip
+    records: dict[int, tuple] = {}
+    bar = progress(range(n_tiles), total=n_tiles, desc="encoding tiles (dask)")
+    ticks = iter(bar)
+    next(ticks, None)
+    for future in as_completed(futures):
+        for t, record in future.result():
+            records[t] = record
+            next(ticks, None)
+    return _columns([records[t] for t in range(n_tiles)])
 
 
 def _var_parquet(var: pd.DataFrame) -> bytes:

@@ -1,0 +1,76 @@
+"""Conversion on dask.distributed: a LocalCluster of 2 worker processes writes the same bytes
+as the single-process writer, from files (opened by the workers) and from in-memory AnnData."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_writer import small_adata
+
+import deltacells as dc
+from deltacells.cli import main
+
+distributed = pytest.importorskip("distributed", reason="the dask extra")
+
+
+@pytest.fixture(scope="module")
+def client():
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                  dashboard_address=None) as cluster:  # fmt: skip
+        with distributed.Client(cluster) as c:
+            yield c
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("atlas")
+    paths = []
+    for i in range(3):
+        adata = small_adata(n_cells=700 + 100 * i, n_genes=90, seed=20 + i)
+        adata.obs_names = [f"f{i}-{n}" for n in adata.obs_names]
+        path = root / f"part{i}.h5ad"
+        adata.write_h5ad(path)
+        paths.append(path)
+    return paths
+
+
+def same_files(a: Path, b: Path) -> None:
+    names_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    names_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    assert names_a == names_b
+    for name in names_a:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_files_on_a_cluster_are_byte_identical(client, inputs, tmp_path, shuffle):
+    options = {"tile_size": 250, "join": "same", "shuffle": shuffle, "progress": False}
+    dc.write_deltacells(inputs, tmp_path / "here", **options)
+    dc.write_deltacells(inputs, tmp_path / "cluster", client=client, **options)
+    same_files(tmp_path / "here", tmp_path / "cluster")
+    assert dc.open_dataset(tmp_path / "cluster").manifest.n_tiles == 10
+    dc.open_dataset(tmp_path / "cluster").verify()
+
+
+def test_in_memory_anndata_on_a_cluster(client, tmp_path):
+    adata = small_adata(n_cells=900, seed=5)
+    adata.layers["counts"] = adata.X.copy()
+    dc.write_deltacells(adata, tmp_path / "here", tile_size=200, progress=False)
+    dc.write_deltacells(adata, tmp_path / "cluster", tile_size=200, client=client,
+                        progress=False)  # fmt: skip
+    same_files(tmp_path / "here", tmp_path / "cluster")
+
+
+def test_cli_scheduler_and_local_workers(client, inputs, tmp_path):
+    here, there, local = tmp_path / "here.dc", tmp_path / "there.dc", tmp_path / "local.dc"
+    assert main(["convert", *map(str, inputs), str(here), "--tile-size", "300", "--quiet"]) == 0
+    assert main(["convert", *map(str, inputs), str(there), "--tile-size", "300", "--quiet",
+                 "--scheduler", client.scheduler.address]) == 0  # fmt: skip
+    same_files(here, there)
+    assert main(["convert", *map(str, inputs), str(local), "--tile-size", "300", "--quiet",
+                 "--workers", "2"]) == 0  # fmt: skip
+    same_files(here, local)
+    back = dc.read_deltacells(local)
+    assert back.n_obs == 700 + 800 + 900 and np.isfinite(back.X[:10].toarray()).all()
