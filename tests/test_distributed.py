@@ -74,3 +74,55 @@ def test_cli_scheduler_and_local_workers(client, inputs, tmp_path):
     same_files(here, local)
     back = dc.read_deltacells(local)
     assert back.n_obs == 700 + 800 + 900 and np.isfinite(back.X[:10].toarray()).all()
+
+
+def test_scanpy_dask_pipeline_from_s3_on_a_cluster(client, tmp_path, monkeypatch):
+    """read_deltacells(url, dask=True) under a distributed Client: each worker reopens the
+    dataset from its pickled recipe (once per process) and fetches its own tiles from S3
+    (moto); normalize_total, log1p, highly_variable_genes and pca give what the threaded
+    scheduler gives."""
+    import boto3
+    import dask
+    from test_s3 import free_port
+
+    sc = pytest.importorskip("scanpy")
+    moto_server = pytest.importorskip("moto.server")
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                          aws_access_key_id="t", aws_secret_access_key="t")  # fmt: skip
+        s3.create_bucket(Bucket="cells")
+        adata = small_adata(n_cells=1500, n_genes=200, seed=8)
+        local = tmp_path / "d"
+        dc.write_deltacells(adata, local, tile_size=256, progress=False)
+        for path in local.rglob("*"):
+            if path.is_file():
+                s3.upload_file(str(path), "cells", f"d/{path.relative_to(local)}")
+        options = {"key": "t", "secret": "t", "client_kwargs": {"endpoint_url": endpoint},
+                   "skip_instance_cache": True}  # fmt: skip
+
+        def pipeline(scheduler):
+            with dask.config.set(scheduler=scheduler):
+                a = dc.read_deltacells("s3://cells/d", dask=True, storage_options=options,
+                                       elements=False)  # fmt: skip
+                sc.pp.normalize_total(a, target_sum=1e4)
+                sc.pp.log1p(a)
+                sc.pp.highly_variable_genes(a, n_top_genes=50)
+                a = a[:, a.var["highly_variable"]].copy()
+                sc.pp.pca(a, n_comps=5, svd_solver="covariance_eigh")
+                return a.var_names.tolist(), np.asarray(a.obsm["X_pca"])
+
+        genes_threads, pca_threads = pipeline("threads")
+        genes_cluster, pca_cluster = pipeline(client)  # a Client is a dask scheduler
+        assert genes_cluster == genes_threads
+        np.testing.assert_allclose(np.abs(pca_cluster), np.abs(pca_threads), rtol=1e-4,
+                                   atol=1e-5)  # fmt: skip
+        # the workers ran the tile tasks: each opened the dataset at most once
+        opened = client.run(lambda: len(__import__("deltacells.dataset")
+                                        .dataset._REOPENED))  # fmt: skip
+        assert sum(opened.values()) >= 1 and all(v <= 1 for v in opened.values())
+    finally:
+        server.stop()
