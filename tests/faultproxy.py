@@ -29,14 +29,48 @@ class Fault:
     delay: float = 0.0
 
 
+class Bandwidth:
+    """A token bucket shared by the connections it is given to: at most ``bytes_per_s`` in
+    total (``None``: unlimited)."""
+
+    def __init__(self, bytes_per_s: float | None) -> None:
+        self.rate = bytes_per_s
+        self._lock = threading.Lock()
+        self._next = time.monotonic()
+
+    def take(self, n: int) -> None:
+        """Wait until ``n`` more bytes may be sent."""
+        if not self.rate:
+            return
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._next)
+            self._next = start + n / self.rate
+            wait = self._next - now
+        if wait > 0:
+            time.sleep(wait)
+
+
 class FaultProxy:
     """Forwards every request to ``upstream`` (``host:port``) unless a fault applies.
 
     ``injected`` records each fault applied (path, kind), ``forwarded`` each path passed on.
+    As a network emulator: ``latency`` seconds pass before each response's first byte, and
+    bodies are sent at most at ``per_connection`` bytes/s per request and ``total`` bytes/s
+    over all of them; ``requests`` and ``bytes_sent`` count what went through.
     """
 
-    def __init__(self, upstream: str) -> None:
+    #: Bytes sent between bandwidth checks.
+    SLICE = 64 * 1024
+
+    def __init__(self, upstream: str, *, latency: float = 0.0, per_connection: float | None = None,
+                 total: float | None = None) -> None:  # fmt: skip
         self.upstream = upstream
+        self.latency = latency
+        self.per_connection = per_connection
+        self.total = Bandwidth(total)
+        self.requests = 0
+        self.bytes_sent = 0
         self.faults: list[Fault] = []
         self.injected: list[tuple[str, str]] = []
         self.forwarded: list[str] = []
@@ -68,7 +102,23 @@ class FaultProxy:
                     self.injected.append((path, "error" if fault.status else "delay"))
                     return fault
             self.forwarded.append(path)
+            self.requests += 1
             return None
+
+    def _send(self, out, payload: bytes) -> None:
+        """Write ``payload`` at the emulated bandwidth."""
+        if not (self.per_connection or self.total.rate):
+            out.write(payload)
+        else:
+            own = Bandwidth(self.per_connection)
+            view = memoryview(payload)
+            for start in range(0, len(view), self.SLICE):
+                piece = view[start : start + self.SLICE]
+                own.take(len(piece))
+                self.total.take(len(piece))
+                out.write(piece)
+        with self._lock:
+            self.bytes_sent += len(payload)
 
     def __enter__(self) -> FaultProxy:
         self._thread.start()
@@ -116,9 +166,11 @@ class FaultProxy:
                     self.send_header(
                         "Content-Length", length if self.command == "HEAD" else str(len(payload))
                     )
+                    if proxy.latency:
+                        time.sleep(proxy.latency)
                     self.end_headers()
                     if self.command != "HEAD":
-                        self.wfile.write(payload)
+                        proxy._send(self.wfile, payload)
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up waiting (a timeout under test)
                 finally:

@@ -225,3 +225,23 @@ def test_whole_anndata_through_s3(s3, tmp_path):
     lazy = dc.read_deltacells(url, storage_options=options, cache_dir=tmp_path, elements="lazy")
     np.testing.assert_array_equal(lazy.obsm["spatial"].compute(), source.obsm["spatial"])
     dc.open_dataset(url, storage_options=options).verify()
+
+
+def test_network_emulation_latency_and_bandwidth(s3):
+    """The proxy as a network: each response waits ``latency`` before its first byte and bodies
+    flow at most at the given rate; what the reader sees follows (and matches the data)."""
+    import time
+
+    url, options, adata, client = s3
+    upstream = options["client_kwargs"]["endpoint_url"].removeprefix("http://")
+    client.put_object(Bucket="cells", Key="blob.bin", Body=bytes(2_000_000))
+    with FaultProxy(upstream, latency=0.05, per_connection=4e6, total=8e6) as proxy:
+        through = {**options, "client_kwargs": {"endpoint_url": proxy.endpoint}}
+        store = Store("s3://cells", through)
+        t0 = time.perf_counter()
+        assert store.read_bytes("blob.bin") == bytes(2_000_000)
+        elapsed = time.perf_counter() - t0
+        assert elapsed >= 0.05 + 2_000_000 / 4e6 * 0.9
+        assert proxy.bytes_sent >= 2_000_000 and proxy.requests >= 1
+        dataset = dc.open_dataset(url, storage_options=through)
+        assert (dataset.tile(0).decode(np.float32) != _expected_tile(adata, dataset, 0)).nnz == 0
