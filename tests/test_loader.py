@@ -373,3 +373,23 @@ def test_epoch_split_covers_every_cell_as_documented(
         # Every cell once, plus the wrapped-around padding from the start of the order.
         padded = np.resize(order, -(-n // world_size) * world_size) if n else order
         np.testing.assert_array_equal(counts, np.bincount(padded, minlength=n))
+
+
+@pytest.mark.parametrize("shuffle", ["tiles", "cells"])
+def test_tiles_fetched_ahead_give_the_same_batches(pair, shuffle, monkeypatch):
+    """prefetch_tiles only changes when tiles are read: the same batches, and the fetches
+    come from the look-ahead (every tile once)."""
+    from deltacells.storage import Store
+
+    root = pair[0]
+    plain = dc.Loader(root, batch_size=100, shuffle=shuffle, seed=3, prefetch_tiles=0)
+    ahead = dc.Loader(root, batch_size=100, shuffle=shuffle, seed=3, prefetch_tiles=3)
+    assert plain.prefetch_tiles == 0 and ahead.prefetch_tiles == 3
+    asked = []
+    original = Store.prefetch
+    monkeypatch.setattr(Store, "prefetch", lambda self, names, sizes=None: (
+        asked.extend(names), original(self, names, sizes))[1])  # fmt: skip
+    for a, b in zip(plain, ahead, strict=True):
+        assert np.array_equal(a.cells, b.cells) and (a.X != b.X).nnz == 0
+    n_tiles = ahead.dataset.manifest.n_tiles
+    assert sorted(asked) == sorted({f"tiles/tile_{t:06d}.dct" for t in range(n_tiles)})
