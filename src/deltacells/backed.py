@@ -240,23 +240,33 @@ class DeltacellsCSRDataset(CSRDataset):
         from deltacells.ranged import RangedTile
 
         m = self.dataset.manifest
+        store = self.dataset.store
         order = np.argsort(rows, kind="stable")
         ordered = rows[order]
         tile_of = np.searchsorted(self._limits, ordered, side="right")
-        pieces = []
-        for t in np.unique(tile_of):
+
+        def from_tile(t: int) -> list[sp.csr_matrix]:
             local = ordered[tile_of == t] - self._starts[t]
-            ranged = RangedTile(self.dataset.store, tile_name(int(t)), m.tile_bytes[t])
+            ranged = RangedTile(store, tile_name(t), m.tile_bytes[t])
             chunk_ends = ranged.chunk_table()[:, 1].astype(np.int64)
             chunk_of = np.searchsorted(chunk_ends, local, side="right")
             # Runs of consecutive touched chunks are read together.
             touched = np.unique(chunk_of)
             breaks = np.flatnonzero(np.diff(touched) > 1) + 1
+            out = []
             for run in np.split(touched, breaks):
                 in_run = local[(chunk_of >= run[0]) & (chunk_of <= run[-1])]
                 tile, first = ranged.rows_tile(int(in_run[0]), int(in_run[-1]) + 1)
                 decoded = tile.decode(self.dtype, col_map=self._to_source)
-                pieces.append(decoded[in_run - first])
+                out.append(decoded[in_run - first])
+            return out
+
+        tiles = [int(t) for t in np.unique(tile_of)]
+        if store.is_local or len(tiles) < 2:
+            per_tile = [from_tile(t) for t in tiles]
+        else:  # remote tiles' requests overlap their latency
+            per_tile = list(store._pool().map(from_tile, tiles))
+        pieces = [piece for part in per_tile for piece in part]
         matrix = sp.vstack(pieces, format="csr") if len(pieces) > 1 else pieces[0]
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))

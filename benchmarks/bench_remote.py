@@ -1,0 +1,166 @@
+"""Streaming from an emulated object store: moto's S3 server behind a proxy that adds latency
+before each response's first byte and caps bandwidth per connection and in total.
+
+    python benchmarks/bench_remote.py [--cells 1000000] [--latency 0.05] [--bandwidth 150e6]
+
+On ``liao2020_balf.h5ad`` stacked with shuffled rows to ``--cells`` cells (written once, then
+uploaded to moto), through the proxy, in one run:
+
+* ``Loader`` epochs of 4,096-cell batches (tile order shuffled, cells shuffled within buffers)
+  with its defaults (tiles fetched ahead) and with ``prefetch_tiles=0`` (one tile at a time);
+* random 4,096-cell reads by whole tiles and with ``ranged_reads=True`` (only the chunks the
+  cells are in), on the default layout (8 chunks per tile) and on ``n_chunks=512``;
+* ``to_memory`` of the first 200,000 cells' tiles (a contiguous slice).
+
+Each reports cells/s, bytes and requests through the proxy, next to the **bandwidth bound**
+(bandwidth / bytes per cell of the tiles) and the proxy's own throughput without caps (moto
+and the proxy are Python servers: their speed is a second bound on this machine). Writes
+``benchmarks/results/remote.json`` and ``docs/_static/bench_remote.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from _common import MotoS3, machine, page_figure, save_figure, stacked_adata
+
+import deltacells as dc
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
+sys.path.insert(0, str(ROOT / "tests"))  # the network-emulating proxy lives with the tests
+from faultproxy import FaultProxy  # noqa: E402
+
+
+def hwm_mb() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def measure(proxy: FaultProxy, run) -> dict:
+    """Wall time, bytes and requests through the proxy of ``run()`` (which returns cells)."""
+    bytes0, requests0 = proxy.bytes_sent, proxy.requests
+    t = time.perf_counter()
+    cells = run()
+    elapsed = time.perf_counter() - t
+    return {"s": elapsed, "cells": int(cells), "cells_per_s": cells / elapsed,
+            "bytes": proxy.bytes_sent - bytes0, "requests": proxy.requests - requests0}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cells", type=int, default=1_000_000)
+    parser.add_argument("--latency", type=float, default=0.05, help="seconds to first byte")
+    parser.add_argument("--bandwidth", type=float, default=150e6,
+                        help="bytes/s per connection and in total")  # fmt: skip
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--random-reads", type=int, default=5)
+    args = parser.parse_args()
+    results: dict = {"machine": machine(), "n_cells": args.cells, "latency_s": args.latency,
+                     "bandwidth_bytes_per_s": args.bandwidth,
+                     "command": "python benchmarks/bench_remote.py"}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp:
+        local = Path(tmp) / "stacked.dc"
+        fine = Path(tmp) / "stacked-512.dc"  # the random-access layout (8 cells per chunk)
+        adata = stacked_adata(DATA, args.cells)
+        dc.write_deltacells(adata, local, progress=False)
+        dc.write_deltacells(adata, fine, n_chunks=512, progress=False)
+        del adata
+        manifest = dc.open_dataset(local).manifest
+        tile_bytes = sum(manifest.tile_bytes)
+        bytes_per_cell = tile_bytes / manifest.n_cells
+        results["dataset"] = {"tile_bytes": tile_bytes, "n_tiles": manifest.n_tiles,
+                              "bytes_per_cell": bytes_per_cell}  # fmt: skip
+        results["bandwidth_bound_cells_per_s"] = args.bandwidth / bytes_per_cell
+        with MotoS3() as s3:
+            t = time.perf_counter()
+            url = s3.upload("stacked.dc", local)
+            results["upload_s"] = time.perf_counter() - t
+            fine_url = s3.upload("stacked-512.dc", fine)
+            upstream = s3.endpoint.removeprefix("http://")
+            # The servers' own speed, no caps: whole tiles, 8 at a time.
+            with FaultProxy(upstream) as open_proxy:
+                options = {**s3.options, "client_kwargs": {"endpoint_url": open_proxy.endpoint}}
+                store = dc.open_dataset(url, storage_options=options).store
+                names = [f"tiles/tile_{t:06d}.dct" for t in range(min(40, manifest.n_tiles))]
+                t = time.perf_counter()
+                for future in store.prefetch(names, manifest.tile_bytes[: len(names)]).values():
+                    future.result()
+                elapsed = time.perf_counter() - t
+                results["uncapped_bytes_per_s"] = sum(manifest.tile_bytes[: len(names)]) / elapsed
+            with FaultProxy(upstream, latency=args.latency, per_connection=args.bandwidth,
+                            total=args.bandwidth) as proxy:  # fmt: skip
+                options = {**s3.options, "client_kwargs": {"endpoint_url": proxy.endpoint}}
+                runs = {}
+                for label, ahead in (("loader_defaults", None), ("loader_one_tile_at_a_time", 0)):
+                    loader = dc.Loader(url, batch_size=4096, seed=0, storage_options=options,
+                                       prefetch_tiles=ahead)  # fmt: skip
+
+                    def epoch(loader=loader) -> int:
+                        return sum(batch.X.shape[0] for batch in loader)
+
+                    runs[label] = measure(proxy, epoch)
+                    runs[label]["prefetch_tiles"] = loader.prefetch_tiles
+                    runs[label]["vs_bandwidth_bound"] = (
+                        runs[label]["cells_per_s"] / results["bandwidth_bound_cells_per_s"])
+                    print(label, json.dumps(runs[label]))
+                rng = np.random.default_rng(0)
+                for label, where, ranged in (
+                    ("random_4096_whole_tiles", url, False),
+                    ("random_4096_ranged_chunks", url, True),
+                    ("random_4096_whole_tiles_512_chunks", fine_url, False),
+                    ("random_4096_ranged_chunks_512_chunks", fine_url, True),
+                ):  # fmt: skip
+                    X = dc.read_deltacells(where, storage_options=options, obs=False,
+                                           elements=False, ranged_reads=ranged).X  # fmt: skip
+                    picks = [np.sort(rng.choice(manifest.n_cells, 4096, replace=False))
+                             for _ in range(args.random_reads)]  # fmt: skip
+
+                    def random_reads(X=X, picks=picks) -> int:
+                        for rows in picks:
+                            X.copy()[rows]  # a fresh cache each time
+                        return 4096 * len(picks)
+
+                    runs[label] = measure(proxy, random_reads)
+                    print(label, json.dumps(runs[label]))
+                X = dc.read_deltacells(url, storage_options=options, obs=False,
+                                       elements=False).X  # fmt: skip
+                first = int(manifest.limits[min(len(manifest.limits), 49) - 1])
+                runs["slice_first_tiles"] = measure(proxy, lambda: X[:first].shape[0])
+                runs["slice_first_tiles"]["vs_bandwidth_bound"] = (
+                    runs["slice_first_tiles"]["cells_per_s"]
+                    / results["bandwidth_bound_cells_per_s"])
+                results["runs"] = runs
+    results["peak_rss_mb"] = hwm_mb()
+    (HERE / "results" / "remote.json").write_text(json.dumps(results, indent=1))
+    print(json.dumps({k: v for k, v in results.items() if k != "runs"}, indent=1))
+    plot(results)
+
+
+def plot(results: dict) -> None:
+    fig, (ax,) = page_figure(1, panel_height=3.4)
+    runs = results["runs"]
+    names = list(runs)
+    ax.barh(names, [runs[n]["cells_per_s"] for n in names], color="tab:blue")
+    ax.axvline(results["bandwidth_bound_cells_per_s"], color="k", linestyle="--",
+               label="bandwidth bound")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_xlabel("cells / s (log)")
+    ax.legend()
+    save_figure(fig, ROOT / "docs" / "_static" / "bench_remote.png",
+                f"{results['n_cells']:,} cells through S3 (moto) at "
+                f"{results['latency_s'] * 1e3:.0f} ms, "
+                f"{results['bandwidth_bytes_per_s'] / 1e6:.0f} MB/s", results)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
