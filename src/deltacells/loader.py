@@ -204,7 +204,7 @@ class Loader:
         Batches built ahead of the consumer by the background thread.
     prefetch_tiles
         Tiles fetched ahead, in the order the epoch first needs them, while earlier ones
-        decode. ``None``: :data:`REMOTE_TILES_IN_FLIGHT` for remote stores (enough requests in
+        decode. ``None``: :data:`.REMOTE_TILES_IN_FLIGHT` for remote stores (enough requests in
         flight to cover latency x bandwidth: 8 tiles of ~3 MB are 24 MB, over three times
         what a 50 ms, 150 MB/s link holds in flight), 0 for local files (reading them is
         quick next to decoding).
