@@ -199,3 +199,10 @@ def test_ranged_reads_equal_whole_tile_reads(tmp_path, monkeypatch):
     # the header's first read takes up to 8 KiB (header and chunk table), then the chunks
     assert 0 < read["bytes"] < one_tile / 2
     assert ranged.X.copy().ranged_reads
+    # Rows scattered over many chunks of one tile: a few requests, not two per run of chunks.
+    calls = []
+    monkeypatch.setattr(Store, "read_range", lambda self, name, start, stop: (
+        calls.append(name), original(self, name, start, stop))[1])  # fmt: skip
+    rows = np.sort(rng.choice(1000, 40, replace=False))
+    assert (ranged.X.copy()[rows] != adata.X[rows]).nnz == 0
+    assert len(calls) <= 4  # header + chunk table, indptr, merged frames

@@ -253,13 +253,11 @@ class DeltacellsCSRDataset(CSRDataset):
             # Runs of consecutive touched chunks are read together.
             touched = np.unique(chunk_of)
             breaks = np.flatnonzero(np.diff(touched) > 1) + 1
-            out = []
-            for run in np.split(touched, breaks):
-                in_run = local[(chunk_of >= run[0]) & (chunk_of <= run[-1])]
-                tile, first = ranged.rows_tile(int(in_run[0]), int(in_run[-1]) + 1)
-                decoded = tile.decode(self.dtype, col_map=self._to_source)
-                out.append(decoded[in_run - first])
-            return out
+            selections = [local[(chunk_of >= run[0]) & (chunk_of <= run[-1])]
+                          for run in np.split(touched, breaks)]  # fmt: skip
+            pieces = ranged.rows_tiles([(int(r[0]), int(r[-1]) + 1) for r in selections])
+            return [tile.decode(self.dtype, col_map=self._to_source)[rows - first]
+                    for (tile, first), rows in zip(pieces, selections, strict=True)]  # fmt: skip
 
         tiles = [int(t) for t in np.unique(tile_of)]
         if store.is_local or len(tiles) < 2:

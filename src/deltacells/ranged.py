@@ -28,6 +28,9 @@ __all__ = ["RangedTile"]
 #: Bytes read after the header in the first request, so that small chunk tables (a CSR tile's
 #: 8 entries, a gene-major block's few hundred) need no request of their own.
 TABLE_PREFETCH = 8 * 1024
+#: Frame ranges of different runs less than this many bytes apart are read in one request:
+#: a request costs a round trip, the gap's bytes cost little next to it.
+MERGE_GAP = 256 * 1024
 
 
 class RangedTile:
@@ -104,35 +107,67 @@ class RangedTile:
     def rows_tile(self, lo: int, hi: int) -> tuple[Tile, int]:
         """Rows ``lo:hi`` (``0 <= lo < hi <= n_cells``) and whatever else shares their chunks,
         as ``(tile, first_row)``: the tile's row ``i`` is stored row ``first_row + i``."""
+        return self.rows_tiles([(lo, hi)])[0]
+
+    def rows_tiles(self, runs: list[tuple[int, int]]) -> list[tuple[Tile, int]]:
+        """:meth:`rows_tile` for several runs of rows (increasing, not overlapping) with few
+        requests: one for the indptr they span, and one per group of frame ranges less than
+        :data:`MERGE_GAP` bytes apart."""
         h = self.header
-        if not 0 <= lo < hi <= h.n_cells:
-            raise IndexError(f"rows {lo}:{hi} outside the tile's {h.n_cells}")
-        first, entries = self._chunks_for(lo, hi)
-        entries = entries.astype(np.int64)
-        cell_lo, cell_hi = int(entries[0, 0]), int(entries[-1, 1])
-        nnz_lo, nnz_hi = int(entries[0, 2]), int(entries[-1, 3])
-        if (np.diff(entries[:, 0]) <= 0).any() or (entries[1:, 0] != entries[:-1, 1]).any() \
-                or not 0 <= cell_lo < cell_hi <= h.n_cells:  # fmt: skip
-            raise FormatError(f"{self.where}: chunks {first}.. do not cover rows contiguously")
-        data = self._read(h.indptr_off + 8 * cell_lo, h.indptr_off + 8 * (cell_hi + 1))
-        indptr = np.frombuffer(data, dtype="<i8").astype(np.int64)
-        if indptr[0] != nnz_lo or indptr[-1] != nnz_hi:
-            raise FormatError(f"{self.where}: indptr does not match chunks {first}.. "
-                              f"({indptr[0]}..{indptr[-1]} vs {nnz_lo}..{nnz_hi})")  # fmt: skip
-        offsets = entries[:, GAPS_OFF::2][:, :4]
-        lengths = entries[:, GAPS_LEN::2][:, :4]
-        present = lengths > 0
-        if not present.any():
-            raise FormatError(f"{self.where}: chunks {first}.. have no frames")
-        region_lo = int(offsets[present].min())
-        region_hi = int((offsets + lengths)[present].max())
-        if region_lo < h.indptr_off + 8 * (h.n_cells + 1) or region_hi > self.size:
-            raise FormatError(f"{self.where}: frames of chunks {first}.. lie outside the tile")
-        region = self._read(region_lo, region_hi)
-        frames = [[region[int(o) - region_lo : int(o + n) - region_lo] if n else b""
-                   for o, n in zip(row_off, row_len, strict=True)]
-                  for row_off, row_len in zip(offsets, lengths, strict=True)]  # fmt: skip
-        bounds = np.append(entries[:, 0], cell_hi) - cell_lo
-        blob = _assemble(indptr - nnz_lo, bounds, frames, cell_hi - cell_lo, h.n_genes, 1)
-        name = f"{self.where} (rows {cell_lo}:{cell_hi}, ranged read)"
-        return Tile(blob, name=name, n_threads=1), cell_lo
+        spans = []
+        for lo, hi in runs:
+            if not 0 <= lo < hi <= h.n_cells:
+                raise IndexError(f"rows {lo}:{hi} outside the tile's {h.n_cells}")
+            first, entries = self._chunks_for(lo, hi)
+            entries = entries.astype(np.int64)
+            cell_lo, cell_hi = int(entries[0, 0]), int(entries[-1, 1])
+            if (np.diff(entries[:, 0]) <= 0).any() or (entries[1:, 0] != entries[:-1, 1]).any() \
+                    or not 0 <= cell_lo < cell_hi <= h.n_cells:  # fmt: skip
+                raise FormatError(f"{self.where}: chunks {first}.. do not cover rows "
+                                  "contiguously")  # fmt: skip
+            offsets = entries[:, GAPS_OFF::2][:, :4]
+            lengths = entries[:, GAPS_LEN::2][:, :4]
+            present = lengths > 0
+            if not present.any():
+                raise FormatError(f"{self.where}: chunks {first}.. have no frames")
+            region = (int(offsets[present].min()), int((offsets + lengths)[present].max()))
+            if region[0] < h.indptr_off + 8 * (h.n_cells + 1) or region[1] > self.size:
+                raise FormatError(f"{self.where}: frames of chunks {first}.. lie outside the "
+                                  "tile")  # fmt: skip
+            spans.append((first, entries, offsets, lengths, region))
+        # One read for the indptr of every run.
+        lo_cell = min(int(e[0, 0]) for _, e, *_ in spans)
+        hi_cell = max(int(e[-1, 1]) for _, e, *_ in spans)
+        data = self._read(h.indptr_off + 8 * lo_cell, h.indptr_off + 8 * (hi_cell + 1))
+        indptr_all = np.frombuffer(data, dtype="<i8").astype(np.int64)
+        # Frame ranges close together are fetched together.
+        order = sorted(range(len(spans)), key=lambda i: spans[i][4][0])
+        fetched: dict[int, tuple[int, bytes]] = {}
+        group: list[int] = []
+        for i in [*order, None]:
+            if group and (i is None or spans[i][4][0] - spans[group[-1]][4][1] > MERGE_GAP):
+                start = min(spans[j][4][0] for j in group)
+                stop = max(spans[j][4][1] for j in group)
+                blob = self._read(start, stop)
+                for j in group:
+                    fetched[j] = (start, blob)
+                group = []
+            if i is not None:
+                group.append(i)
+        out = []
+        for i, (first, entries, offsets, lengths, _) in enumerate(spans):
+            cell_lo, cell_hi = int(entries[0, 0]), int(entries[-1, 1])
+            nnz_lo, nnz_hi = int(entries[0, 2]), int(entries[-1, 3])
+            indptr = indptr_all[cell_lo - lo_cell : cell_hi - lo_cell + 1]
+            if indptr[0] != nnz_lo or indptr[-1] != nnz_hi:
+                raise FormatError(f"{self.where}: indptr does not match chunks {first}.. "
+                                  f"({indptr[0]}..{indptr[-1]} vs {nnz_lo}..{nnz_hi})")  # fmt: skip
+            base, blob = fetched[i]
+            frames = [[blob[int(o) - base : int(o + n) - base] if n else b""
+                       for o, n in zip(row_off, row_len, strict=True)]
+                      for row_off, row_len in zip(offsets, lengths, strict=True)]  # fmt: skip
+            bounds = np.append(entries[:, 0], cell_hi) - cell_lo
+            tile_blob = _assemble(indptr - nnz_lo, bounds, frames, cell_hi - cell_lo, h.n_genes, 1)
+            name = f"{self.where} (rows {cell_lo}:{cell_hi}, ranged read)"
+            out.append((Tile(tile_blob, name=name, n_threads=1), cell_lo))
+        return out
