@@ -257,7 +257,7 @@ class DeltacellsCSRDataset(CSRDataset):
         if whole.all():
             return self._get_rows_whole(rows)
 
-        def from_tile(t: int) -> list[sp.csr_matrix]:
+        def plan(t: int):
             local = ordered[tile_of == t] - self._starts[t]
             ranged = RangedTile(store, tile_name(t), m.tile_bytes[t])
             chunk_ends = ranged.chunk_table()[:, 1].astype(np.int64)
@@ -267,15 +267,24 @@ class DeltacellsCSRDataset(CSRDataset):
             breaks = np.flatnonzero(np.diff(touched) > 1) + 1
             selections = [local[(chunk_of >= run[0]) & (chunk_of <= run[-1])]
                           for run in np.split(touched, breaks)]  # fmt: skip
-            pieces = ranged.rows_tiles([(int(r[0]), int(r[-1]) + 1) for r in selections])
-            return [tile.decode(self.dtype, col_map=self._to_source)[rows - first]
-                    for (tile, first), rows in zip(pieces, selections, strict=True)]  # fmt: skip
+            return ranged.plan([(int(r[0]), int(r[-1]) + 1) for r in selections]), selections
 
         ranged_tiles = [int(t) for t in np.unique(tile_of[~whole])]
-        if store.is_local or len(ranged_tiles) < 2:
-            per_tile = [from_tile(t) for t in ranged_tiles]
-        else:  # remote tiles' requests overlap their latency
-            per_tile = list(store._pool().map(from_tile, ranged_tiles))
+        # Three rounds, each concurrent over every tile on remote stores: header and chunk
+        # table, indptr, then all frame ranges; so a read costs about three round trips.
+        each = map if store.is_local or len(ranged_tiles) < 2 else store._pool().map
+        plans = list(each(plan, ranged_tiles))
+        jobs = [(i, key) for i, (p, _) in enumerate(plans) for key, _ in p.requests()]
+        blobs = list(each(lambda job: plans[job[0]][0].fetch(job[1]), jobs))
+        fetched: list[dict[int, bytes]] = [{} for _ in plans]
+        for (i, key), blob in zip(jobs, blobs, strict=True):
+            fetched[i][key] = blob
+        per_tile = []
+        for (p, selections), got in zip(plans, fetched, strict=True):
+            pieces_of_tile = p.assemble(got)
+            per_tile.append([tile.decode(self.dtype, col_map=self._to_source)[rows - first]
+                             for (tile, first), rows in zip(pieces_of_tile, selections,
+                                                            strict=True)])  # fmt: skip
         pieces = [piece for part in per_tile for piece in part]
         if whole.any():  # rows of whole tiles first, then the ranged ones, each in order
             pieces.insert(0, self._get_rows_whole(ordered[whole]))

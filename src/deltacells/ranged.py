@@ -23,14 +23,15 @@ from deltacells.format import (
 )
 from deltacells.storage import Store
 
-__all__ = ["RangedTile"]
+__all__ = ["RangedPlan", "RangedTile"]
 
 #: Bytes read after the header in the first request, so that small chunk tables (a CSR tile's
 #: 8 entries, a gene-major block's few hundred) need no request of their own.
 TABLE_PREFETCH = 8 * 1024
-#: Frame ranges of different runs less than this many bytes apart are read in one request:
-#: a request costs a round trip, the gap's bytes cost little next to it.
-MERGE_GAP = 256 * 1024
+#: Frame ranges of different runs less than this many bytes apart are read in one request.
+#: Small: the point of ranged reads is fetching few bytes; the requests of all runs and tiles
+#: are made concurrently instead (see ``DeltacellsCSRDataset``), so they cost one round trip.
+MERGE_GAP = 16 * 1024
 
 
 class RangedTile:
@@ -112,7 +113,15 @@ class RangedTile:
     def rows_tiles(self, runs: list[tuple[int, int]]) -> list[tuple[Tile, int]]:
         """:meth:`rows_tile` for several runs of rows (increasing, not overlapping) with few
         requests: one for the indptr they span, and one per group of frame ranges less than
-        :data:`MERGE_GAP` bytes apart."""
+        :data:`MERGE_GAP` bytes apart (made one after the other; see :meth:`plan` to make
+        them concurrently with other tiles')."""
+        plan = self.plan(runs)
+        fetched = {key: self._read(start, stop) for key, (start, stop) in plan.requests()}
+        return plan.assemble(fetched)
+
+    def plan(self, runs: list[tuple[int, int]]) -> RangedPlan:
+        """Read the chunk entries and the indptr of ``runs``; return what is left to fetch
+        (:meth:`RangedPlan.requests`) and how to lay it out (:meth:`RangedPlan.assemble`)."""
         h = self.header
         spans = []
         for lo, hi in runs:
@@ -139,35 +148,59 @@ class RangedTile:
         lo_cell = min(int(e[0, 0]) for _, e, *_ in spans)
         hi_cell = max(int(e[-1, 1]) for _, e, *_ in spans)
         data = self._read(h.indptr_off + 8 * lo_cell, h.indptr_off + 8 * (hi_cell + 1))
-        indptr_all = np.frombuffer(data, dtype="<i8").astype(np.int64)
+        indptr = np.frombuffer(data, dtype="<i8").astype(np.int64)
+        return RangedPlan(self, spans, indptr, lo_cell)
+
+
+class RangedPlan:
+    """The frames still to fetch for some runs of one tile's rows, and their layout as tiles
+    (made by :meth:`RangedTile.plan`)."""
+
+    def __init__(self, tile: RangedTile, spans: list, indptr: np.ndarray, lo_cell: int) -> None:
+        self.tile, self.spans, self.indptr, self.lo_cell = tile, spans, indptr, lo_cell
         # Frame ranges close together are fetched together.
         order = sorted(range(len(spans)), key=lambda i: spans[i][4][0])
-        fetched: dict[int, tuple[int, bytes]] = {}
-        group: list[int] = []
-        for i in [*order, None]:
-            if group and (i is None or spans[i][4][0] - spans[group[-1]][4][1] > MERGE_GAP):
-                start = min(spans[j][4][0] for j in group)
-                stop = max(spans[j][4][1] for j in group)
-                blob = self._read(start, stop)
-                for j in group:
-                    fetched[j] = (start, blob)
-                group = []
-            if i is not None:
-                group.append(i)
+        self.groups: list[list[int]] = []
+        for i in order:
+            if self.groups and spans[i][4][0] - spans[self.groups[-1][-1]][4][1] <= MERGE_GAP:
+                self.groups[-1].append(i)
+            else:
+                self.groups.append([i])
+
+    def requests(self) -> list[tuple[int, tuple[int, int]]]:
+        """``(key, (start, stop))`` byte ranges of the tile to fetch."""
+        return [(k, (min(self.spans[j][4][0] for j in group),
+                     max(self.spans[j][4][1] for j in group)))
+                for k, group in enumerate(self.groups)]  # fmt: skip
+
+    def fetch(self, key: int) -> bytes:
+        """Request ``key`` (for callers running the requests of many tiles concurrently)."""
+        start, stop = self.requests()[key][1]
+        return self.tile._read(start, stop)
+
+    def assemble(self, fetched: dict[int, bytes]) -> list[tuple[Tile, int]]:
+        """The runs as small validated tiles, ``(tile, first_row)`` each, from the fetched
+        requests."""
+        tile = self.tile
+        h = tile.header
+        where: dict[int, tuple[int, bytes]] = {}
+        for (k, (start, _)), group in zip(self.requests(), self.groups, strict=True):
+            for j in group:
+                where[j] = (start, fetched[k])
         out = []
-        for i, (first, entries, offsets, lengths, _) in enumerate(spans):
+        for i, (first, entries, offsets, lengths, _) in enumerate(self.spans):
             cell_lo, cell_hi = int(entries[0, 0]), int(entries[-1, 1])
             nnz_lo, nnz_hi = int(entries[0, 2]), int(entries[-1, 3])
-            indptr = indptr_all[cell_lo - lo_cell : cell_hi - lo_cell + 1]
+            indptr = self.indptr[cell_lo - self.lo_cell : cell_hi - self.lo_cell + 1]
             if indptr[0] != nnz_lo or indptr[-1] != nnz_hi:
-                raise FormatError(f"{self.where}: indptr does not match chunks {first}.. "
+                raise FormatError(f"{tile.where}: indptr does not match chunks {first}.. "
                                   f"({indptr[0]}..{indptr[-1]} vs {nnz_lo}..{nnz_hi})")  # fmt: skip
-            base, blob = fetched[i]
+            base, blob = where[i]
             frames = [[blob[int(o) - base : int(o + n) - base] if n else b""
                        for o, n in zip(row_off, row_len, strict=True)]
                       for row_off, row_len in zip(offsets, lengths, strict=True)]  # fmt: skip
             bounds = np.append(entries[:, 0], cell_hi) - cell_lo
             tile_blob = _assemble(indptr - nnz_lo, bounds, frames, cell_hi - cell_lo, h.n_genes, 1)
-            name = f"{self.where} (rows {cell_lo}:{cell_hi}, ranged read)"
+            name = f"{tile.where} (rows {cell_lo}:{cell_hi}, ranged read)"
             out.append((Tile(tile_blob, name=name, n_threads=1), cell_lo))
         return out
