@@ -245,3 +245,12 @@ def test_network_emulation_latency_and_bandwidth(s3):
         assert proxy.bytes_sent >= 2_000_000 and proxy.requests >= 1
         dataset = dc.open_dataset(url, storage_options=through)
         assert (dataset.tile(0).decode(np.float32) != _expected_tile(adata, dataset, 0)).nnz == 0
+
+
+def test_ranged_reads_over_s3(s3):
+    """ranged_reads=True on S3: the concurrent rounds (header, indptr, frames) over several
+    tiles give the rows asked, in the order asked."""
+    url, options, adata, _ = s3
+    X = dc.read_deltacells(url, storage_options=options, elements=False, ranged_reads=True).X
+    rows = np.array([599, 5, 140, 141, 320, 5, 480, 250])
+    assert (X[rows] != adata.X[rows]).nnz == 0

@@ -272,7 +272,7 @@ class DeltacellsCSRDataset(CSRDataset):
         ranged_tiles = [int(t) for t in np.unique(tile_of[~whole])]
         # Three rounds, each concurrent over every tile on remote stores: header and chunk
         # table, indptr, then all frame ranges; so a read costs about three round trips.
-        each = map if store.is_local or len(ranged_tiles) < 2 else store._pool().map
+        each = map if store.is_local or len(ranged_tiles) < 2 else _ranged_pool().map
         plans = list(each(plan, ranged_tiles))
         jobs = [(i, key) for i, (p, _) in enumerate(plans) for key, _ in p.requests()]
         blobs = list(each(lambda job: plans[job[0]][0].fetch(job[1]), jobs))
@@ -499,6 +499,23 @@ class DeltacellsCSRDataset(CSRDataset):
         matrix = sp.csr_matrix((values, indices, indptr), shape=self.shape, copy=False)
         matrix.has_canonical_format = True
         return matrix
+
+
+#: Small ranged requests in flight at once on remote stores: each is mostly latency, so many
+#: overlap (whole-tile reads use the store's own, smaller pool).
+RANGED_REQUESTS_IN_FLIGHT = 64
+_ranged_executor: tuple[int, Any] | None = None
+
+
+def _ranged_pool():
+    """The thread pool for ranged requests (one per process: forks make their own)."""
+    global _ranged_executor
+    from concurrent.futures import ThreadPoolExecutor
+
+    if _ranged_executor is None or _ranged_executor[0] != os.getpid():
+        _ranged_executor = (os.getpid(), ThreadPoolExecutor(
+            RANGED_REQUESTS_IN_FLIGHT, thread_name_prefix="deltacells-ranged"))  # fmt: skip
+    return _ranged_executor[1]
 
 
 def _decode_tile(matrix: DeltacellsCSRDataset, index: int) -> sp.csr_matrix:
