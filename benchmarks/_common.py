@@ -42,6 +42,15 @@ def machine() -> dict:
     }
 
 
+def peak_rss_mb() -> float:
+    """This process's own peak RSS in MB: VmHWM, since getrusage's ru_maxrss carries the
+    parent's peak across fork and exec on Linux."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def median_time(fn, repeats: int, *, warmup: bool = False) -> float:
     """Median wall seconds of ``repeats`` calls of ``fn`` (after one untimed call if asked)."""
     import statistics

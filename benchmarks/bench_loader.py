@@ -45,15 +45,6 @@ ANNBATCH_SPEC = ("annbatch[zarrs]==0.3.1", "s3fs")
 # -- children: one epoch each, in a fresh process ------------------------------------------
 
 
-def _peak_rss_mb() -> float:
-    # VmHWM is this process's own peak; getrusage's ru_maxrss carries the parent's peak
-    # across fork and exec on Linux.
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
 def child_deltacells(path: str, batch_size: int, options: dict) -> dict:
     import deltacells as dc
 
@@ -243,11 +234,13 @@ def main() -> None:
 
 
 def child_main(spec: dict) -> None:
+    from _common import peak_rss_mb
+
     tool, path, batch_size, options = (spec["tool"], spec["path"], spec["batch_size"],
                                        spec["options"])  # fmt: skip
     run = {"deltacells": child_deltacells, "anndata": child_anndata}[tool]
     result = run(path, batch_size, options)
-    result["peak_rss_mb"] = _peak_rss_mb()
+    result["peak_rss_mb"] = peak_rss_mb()
     print(json.dumps(result))
 
 

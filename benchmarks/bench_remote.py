@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import MotoS3, machine, page_figure, save_figure, stacked_adata
+from _common import MotoS3, machine, page_figure, peak_rss_mb, save_figure, stacked_adata
 
 import deltacells as dc
 
@@ -37,13 +37,6 @@ HERE = Path(__file__).resolve().parent
 DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
 sys.path.insert(0, str(ROOT / "tests"))  # the network-emulating proxy lives with the tests
 from faultproxy import FaultProxy  # noqa: E402
-
-
-def hwm_mb() -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def measure(proxy: FaultProxy, run) -> dict:
@@ -140,7 +133,7 @@ def main() -> None:
                     runs["slice_first_tiles"]["cells_per_s"]
                     / results["bandwidth_bound_cells_per_s"])
                 results["runs"] = runs
-    results["peak_rss_mb"] = hwm_mb()
+    results["peak_rss_mb"] = peak_rss_mb()
     (HERE / "results" / "remote.json").write_text(json.dumps(results, indent=1))
     print(json.dumps({k: v for k, v in results.items() if k != "runs"}, indent=1))
     plot(results)

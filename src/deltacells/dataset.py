@@ -315,26 +315,16 @@ class Dataset:
         where = self.store.describe(name)
         # 8 bytes per entry at most, plus the header (numpy caps headers at 10,000 bytes).
         data = self.store.read_bytes(name, max_size=16 + 10_000 + 8 * length)
-        stream = io.BytesIO(data)
-        try:
-            major, _ = np.lib.format.read_magic(stream)
-            if major == 1:
-                shape, _, dtype = np.lib.format.read_array_header_1_0(stream)
-            elif major == 2:
-                shape, _, dtype = np.lib.format.read_array_header_2_0(stream)
-            else:
-                raise ValueError(f".npy version {major} is not supported")
-        except (ValueError, EOFError, SyntaxError, TypeError, OverflowError) as err:
-            raise FormatError(f"{where}: not a .npy array ({err})") from None
+        shape, _, dtype, offset = parse_npy_header(data, where)
         if shape != (length,) or dtype.kind not in "iu" or dtype.itemsize > 8:
             raise FormatError(f"{where}: expected {length} integers, got {dtype} {shape}")
-        body = len(data) - stream.tell()
+        body = len(data) - offset
         if body != length * dtype.itemsize:
             raise FormatError(
                 f"{where}: holds {body} bytes of data, {length} {dtype} entries need "
                 f"{length * dtype.itemsize}"
             )
-        return np.frombuffer(data, dtype=dtype, count=length, offset=stream.tell())
+        return np.frombuffer(data, dtype=dtype, count=length, offset=offset)
 
     def var_names(self) -> list[str] | None:
         """Gene names in stored order (None if absent)."""
@@ -593,6 +583,29 @@ class Dataset:
                 if k in ("block_cells", "chunk_genes", "n_blocks")} | {
                 "bytes": sum(m.metadata["gene_major"].get("block_bytes") or [])},
         }
+
+
+def parse_npy_header(data: bytes, where: str) -> tuple[tuple, bool, np.dtype, int]:
+    """Shape, Fortran order, dtype and data offset of the ``.npy`` file starting ``data``
+    (only its header need be there).
+
+    Raises
+    ------
+    FormatError
+        Naming ``where``, when ``data`` does not start with a version 1 or 2 ``.npy`` header.
+    """
+    stream = io.BytesIO(data)
+    try:
+        major, _ = np.lib.format.read_magic(stream)
+        if major == 1:
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+        elif major == 2:
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
+        else:
+            raise ValueError(f".npy version {major} is not supported")
+    except (ValueError, EOFError, SyntaxError, TypeError, OverflowError) as err:
+        raise FormatError(f"{where}: not a .npy array ({err})") from None
+    return shape, fortran, dtype, stream.tell()
 
 
 #: Where the writer records the cell order (stored row -> source row).

@@ -4,11 +4,11 @@ cell exactly (:func:`deltacells.spatial.select_in_box`)."""
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 import numpy as np
 
+from deltacells.dataset import parse_npy_header
 from deltacells.format import FormatError
 from deltacells.spatial import (
     CENTROIDS_NAME,
@@ -59,18 +59,10 @@ class _NpyRows:
         where = store.describe(name)
         size = store.size(name)
         head = store.read_range(name, 0, min(size, _NPY_HEAD))
-        stream = io.BytesIO(head)
-        try:
-            major, _ = np.lib.format.read_magic(stream)
-            reader = {1: np.lib.format.read_array_header_1_0,
-                      2: np.lib.format.read_array_header_2_0}[major]  # fmt: skip
-            got_shape, fortran, got_dtype = reader(stream)
-        except (KeyError, ValueError, EOFError, SyntaxError, TypeError, OverflowError) as err:
-            raise FormatError(f"{where}: not a .npy array ({err})") from None
+        got_shape, fortran, got_dtype, self.offset = parse_npy_header(head, where)
         if got_shape != shape or fortran or got_dtype != np.dtype(dtype):
             raise FormatError(f"{where}: expected {np.dtype(dtype)} {shape}, got {got_dtype} "
                               f"{got_shape}{' (Fortran order)' if fortran else ''}")  # fmt: skip
-        self.offset = stream.tell()
         self.dtype = np.dtype(dtype)
         self.row_bytes = self.dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
         self.shape = shape
