@@ -125,12 +125,14 @@ def test_polygons_export_as_multipolygons(tmp_path, spatialdata_python):
     assert all(shapely.equals(a, b) for a, b in zip(frame.geometry, expected, strict=True))
 
 
-def test_export_needs_spatial_order(tmp_path):
+def test_export_needs_spatial_order(tmp_path, capsys):
     from test_writer import small_adata
 
     dc.write_deltacells(small_adata(), tmp_path / "d", progress=False)
     with pytest.raises(ValueError, match="not written in spatial order"):
         to_spatialdata(tmp_path / "d", tmp_path / "out.zarr")
+    assert main(["export-spatialdata", str(tmp_path / "d"), str(tmp_path / "out.zarr")]) == 1
+    assert "write it with --spatial-key or --shapes" in capsys.readouterr().err
 
 
 #: Runs spatialdata's bounding_box_query on the boxes given as JSON; prints the selected

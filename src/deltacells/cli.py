@@ -354,6 +354,8 @@ _FLAG_LANGUAGE = (
     (re.compile(r"obs_exclude=\[([^\]]*)\]"),
      lambda m: "--obs-exclude " + m.group(1).replace("'", "").replace(",", "")),
     (re.compile(r"use_raw=True"), "--raw"),
+    (re.compile(r"\bspatial_key= or shapes="), "--spatial-key or --shapes"),
+    (re.compile(r"\bpoint_radius\b"), "--point-radius"),
     (re.compile(r"\btile_size\b"), "--tile-size"),
     (re.compile(r"\bn_chunks\b"), "--n-chunks"),
 )
