@@ -1106,19 +1106,22 @@ def _write_tiles(store, parts, plan, tile_size, n_chunks, level, n_threads, prog
     # tick after each written tile counts it and the last one closes the bar at n/n.
     next(ticks, None)
     for t in range(n_tiles):
-        rows = _tile_rows(plan, t, tile_size)
-        matrix = _tile_matrix(parts, plan, rows, plan.cell_order is None, cache)
-        blob = encode_tile(matrix, n_chunks=n_chunks, level=level, n_threads=n_threads)
-        records.append(_store_tile(store, t, blob, matrix.shape[0]))
+        records.append(_encode_tile_to(store, parts, plan, t, tile_size, n_chunks, level,
+                                       n_threads, cache))  # fmt: skip
         next(ticks, None)
     return _columns(records)
 
 
-def _store_tile(store: Store, t: int, blob: bytes, cells: int) -> tuple[int, int, int, int]:
-    """Write tile ``t``; return what the manifest records of it."""
+def _encode_tile_to(store: Store, parts, plan: _Plan, t: int, tile_size: int, n_chunks: int,
+                    level: int, n_threads, cache: dict) -> tuple[int, int, int, int]:  # fmt: skip
+    """Encode tile ``t`` and write it; return what the manifest records of it (cells,
+    nonzeros, bytes, the header's CRC)."""
+    rows = _tile_rows(plan, t, tile_size)
+    matrix = _tile_matrix(parts, plan, rows, plan.cell_order is None, cache)
+    blob = encode_tile(matrix, n_chunks=n_chunks, level=level, n_threads=n_threads)
     store.write_atomic(tile_name(t), blob)
     nnz = int(np.frombuffer(blob, "<u8", 1, 24)[0])
-    return cells, nnz, len(blob), int.from_bytes(blob[56:60], "little")  # header's CRC
+    return matrix.shape[0], nnz, len(blob), int.from_bytes(blob[56:60], "little")
 
 
 def _columns(records: list) -> tuple[list, list, list, list]:
@@ -1152,13 +1155,8 @@ def _encode_task(inputs: tuple, layer, use_raw, plan: _Plan, tile_size: int, n_c
     encode and write ``tiles``."""
     parts = [_open_part(item, layer, use_raw) for item in inputs]
     try:
-        out = []
-        for t in tiles:
-            rows = _tile_rows(plan, t, tile_size)
-            matrix = _tile_matrix(parts, plan, rows, plan.cell_order is None, {})
-            blob = encode_tile(matrix, n_chunks=n_chunks, level=level, n_threads=n_threads)
-            out.append((t, _store_tile(store, t, blob, matrix.shape[0])))
-        return out
+        return [(t, _encode_tile_to(store, parts, plan, t, tile_size, n_chunks, level,
+                                    n_threads, {})) for t in tiles]  # fmt: skip
     finally:
         for part in parts:
             part.close()
