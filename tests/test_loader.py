@@ -13,7 +13,7 @@ from test_writer import small_adata
 
 import deltacells as dc
 from deltacells import _kernels
-from deltacells.loader import plan_epoch
+from deltacells.loader import BatchRuns, EpochPlan, plan_epoch
 
 MODES = ("tiles", "cells", "none")
 
@@ -358,6 +358,16 @@ def test_epoch_split_covers_every_cell_as_documented(
         runs = [split_batches(order, batch_size, rank=rank, world_size=world_size,
                               worker=(w, n_workers), drop_last=drop_last)
                 for w in range(n_workers)]  # fmt: skip
+        # The loader's lazy plan draws exactly these batches, a buffer at a time.
+        plan = EpochPlan(tile_cells, shuffle=mode, buffer_tiles=buffer_tiles, seed=5, epoch=2)
+        for w, run in enumerate(runs):
+            lazy = BatchRuns(plan, batch_size, rank=rank, world_size=world_size,
+                             worker=(w, n_workers), drop_last=drop_last)  # fmt: skip
+            assert len(lazy) == len(run)
+            for i, batch in enumerate(run):
+                np.testing.assert_array_equal(lazy[i], batch)
+                tiles = np.searchsorted(np.cumsum(tile_cells), batch, side="right")
+                assert set(tiles.tolist()) <= set(plan.tiles_at(*lazy.bounds(i)))
         lengths = [len(run) for run in runs]
         assert max(lengths) - min(lengths) <= 1 and lengths == sorted(lengths, reverse=True)
         per_rank.append(sum(lengths))
@@ -393,3 +403,24 @@ def test_tiles_fetched_ahead_give_the_same_batches(pair, shuffle, monkeypatch):
         assert np.array_equal(a.cells, b.cells) and (a.X != b.X).nnz == 0
     n_tiles = ahead.dataset.manifest.n_tiles
     assert sorted(asked) == sorted({f"tiles/tile_{t:06d}.dct" for t in range(n_tiles)})
+
+
+def test_an_epoch_over_100m_cells_holds_per_tile_state_only():
+    """Planning an epoch and drawing a batch over 100M cells (24,415 tiles) allocates a few
+    MB, not the 800 MB of a per-cell order (shuffle="cells" would)."""
+    import tracemalloc
+
+    tile_cells = [4096] * 24414 + [1024]
+    tracemalloc.start()
+    try:
+        plan = EpochPlan(tile_cells, shuffle="tiles", buffer_tiles=2, seed=0, epoch=3)
+        runs = BatchRuns(plan, 4096, rank=1, world_size=2, worker=(1, 2))
+        middle = runs[len(runs) // 2]
+        first_tiles = plan.tiles_at(*runs.bounds(0))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert plan.n_cells == 24414 * 4096 + 1024
+    assert len(runs) == 6104 and len(middle) == 4096  # half of ceil(50,000,384 / 4096)
+    assert len(set(middle.tolist())) == 4096 and len(first_tiles) in (2, 4)
+    assert peak < 8 * 2**20, peak

@@ -1,7 +1,8 @@
 """Shuffled minibatches of cells for training: :class:`Loader` and its PyTorch adapter.
 
-An epoch is planned up front from ``(seed, epoch)`` alone, so every rank and worker derives the
-same plan without talking to the others:
+An epoch is planned from ``(seed, epoch)`` alone, so every rank and worker derives the same
+plan without talking to the others (:class:`EpochPlan` draws it a buffer at a time, so its
+memory grows with tiles, not cells):
 
 1. the order of cells: ``"tiles"`` shuffles the tile order, groups it into buffers of
    ``buffer_tiles`` tiles and shuffles cells within each buffer; ``"cells"`` is one random
@@ -40,10 +41,118 @@ from deltacells.dataset import Dataset, gather_cells, group_by_tile, open_datase
 from deltacells.manifest import tile_name
 from deltacells.obscache import ObsCache
 
-__all__ = ["Batch", "Loader", "plan_epoch", "split_batches"]
+__all__ = ["Batch", "BatchRuns", "EpochPlan", "Loader", "plan_epoch", "split_batches"]
 
 SHUFFLE_MODES = ("tiles", "cells", "none")
 OUTPUTS = ("scipy", "numpy", "torch", "torch_dense")
+
+
+class EpochPlan:
+    """An epoch's order of cells, made one buffer at a time.
+
+    Its memory grows with the number of tiles, not of cells: a buffer's shuffled cells are
+    drawn when a batch first asks for them (from ``(seed, epoch, buffer)``), so opening an
+    epoch over 100M cells costs the same as over 100k. ``shuffle="cells"`` is the exception:
+    it holds one permutation of all cells (8 bytes per cell).
+
+    Seeds: the tile order of epoch ``e`` comes from ``numpy.random.default_rng([seed, e, 0])``
+    and the order of cells within buffer ``k`` from ``default_rng([seed, e, 1, k])``, so every
+    rank and worker derives the same plan without talking to the others.
+    """
+
+    #: Buffers whose shuffled cells are kept (a batch straddles at most a few).
+    KEPT_BUFFERS = 4
+
+    def __init__(self, tile_cells: Sequence[int], *, shuffle: str, buffer_tiles: int, seed: int,
+                 epoch: int) -> None:  # fmt: skip
+        if shuffle not in SHUFFLE_MODES:
+            raise ValueError(f"shuffle must be one of {SHUFFLE_MODES}, not {shuffle!r}")
+        if buffer_tiles < 1:
+            raise ValueError("buffer_tiles must be at least 1")
+        counts = np.asarray(tile_cells, dtype=np.int64)
+        self.shuffle, self.seed, self.epoch = shuffle, int(seed), int(epoch)
+        self.n_tiles = len(counts)
+        self._tile_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.n_cells = int(self._tile_starts[-1])
+        self._permutation: np.ndarray | None = None
+        if shuffle == "tiles":
+            self.tile_order = np.random.default_rng([self.seed, self.epoch, 0]).permutation(
+                self.n_tiles
+            )
+            self.buffer_tiles = buffer_tiles
+        else:
+            self.tile_order = np.arange(self.n_tiles)
+            self.buffer_tiles = 1
+            if shuffle == "cells":
+                rng = np.random.default_rng([self.seed, self.epoch, 0])
+                self._permutation = rng.permutation(self.n_cells).astype(np.int64)
+        sizes = counts[self.tile_order]
+        per_buffer = (np.add.reduceat(sizes, np.arange(0, self.n_tiles, self.buffer_tiles))
+                      if self.n_tiles else np.zeros(0, dtype=np.int64))  # fmt: skip
+        #: Position in the order where each buffer starts (and one past the last).
+        self.buffer_starts = np.concatenate([[0], np.cumsum(per_buffer)]).astype(np.int64)
+        self._kept: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def buffer(self, k: int) -> np.ndarray:
+        """The cells of buffer ``k`` in the order the epoch visits them."""
+        cells = self._kept.get(k)
+        if cells is not None:
+            self._kept.move_to_end(k)
+            return cells
+        tiles = self.buffer_tiles_of(k)
+        starts = self._tile_starts
+        ranges = [np.arange(starts[t], starts[t + 1], dtype=np.int64) for t in tiles]
+        cells = np.concatenate(ranges) if ranges else np.zeros(0, dtype=np.int64)
+        if self.shuffle == "tiles":
+            cells = np.random.default_rng([self.seed, self.epoch, 1, k]).permutation(cells)
+        self._kept[k] = cells
+        while len(self._kept) > self.KEPT_BUFFERS:
+            self._kept.popitem(last=False)
+        return cells
+
+    def buffer_tiles_of(self, k: int) -> np.ndarray:
+        """The tiles buffer ``k`` mixes."""
+        return self.tile_order[k * self.buffer_tiles : (k + 1) * self.buffer_tiles]
+
+    def _segments(self, start: int, stop: int) -> Iterator[tuple[int, int]]:
+        """Positions ``start:stop`` as pieces of the order, positions past its end wrapping
+        around to its start (the padding of :func:`split_batches`)."""
+        n = self.n_cells
+        while start < stop and n:
+            real = start % n
+            take = min(stop - start, n - real)
+            yield real, real + take
+            start += take
+
+    def cells(self, start: int, stop: int) -> np.ndarray:
+        """The cells at positions ``start:stop`` of the order (wrapping past its end)."""
+        pieces = []
+        for a, b in self._segments(start, stop):
+            if self._permutation is not None:
+                pieces.append(self._permutation[a:b])
+                continue
+            first = int(np.searchsorted(self.buffer_starts, a, side="right")) - 1
+            last = int(np.searchsorted(self.buffer_starts, b - 1, side="right")) - 1
+            for k in range(first, last + 1):
+                base = int(self.buffer_starts[k])
+                lo, hi = max(a, base) - base, min(b, int(self.buffer_starts[k + 1])) - base
+                pieces.append(self.buffer(k)[lo:hi])
+        if not pieces:
+            return np.zeros(0, dtype=np.int64)
+        return pieces[0].copy() if len(pieces) == 1 else np.concatenate(pieces)
+
+    def tiles_at(self, start: int, stop: int) -> list[int]:
+        """Tiles whose cells may be at positions ``start:stop`` (all tiles with
+        ``shuffle="cells"``), in the order of the buffers."""
+        if self._permutation is not None:
+            return list(range(self.n_tiles))
+        out: list[int] = []
+        for a, b in self._segments(start, stop):
+            first = int(np.searchsorted(self.buffer_starts, a, side="right")) - 1
+            last = int(np.searchsorted(self.buffer_starts, b - 1, side="right")) - 1
+            for k in range(first, last + 1):
+                out.extend(sorted(int(t) for t in self.buffer_tiles_of(k)))
+        return out
 
 
 def plan_epoch(
@@ -56,27 +165,13 @@ def plan_epoch(
 ) -> np.ndarray:
     """The order in which an epoch visits all cells (global positions, each once).
 
-    Deterministic in ``(seed, epoch)``; see the module docstring for the modes.
+    Deterministic in ``(seed, epoch)``; see the module docstring for the modes and
+    :class:`EpochPlan` for the seeds. This materialises the whole order (8 bytes per cell);
+    the :class:`Loader` draws it a buffer at a time instead.
     """
-    if shuffle not in SHUFFLE_MODES:
-        raise ValueError(f"shuffle must be one of {SHUFFLE_MODES}, not {shuffle!r}")
-    counts = np.asarray(tile_cells, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-    n_cells = int(counts.sum())
-    if shuffle == "none":
-        return np.arange(n_cells, dtype=np.int64)
-    rng = np.random.default_rng([seed, epoch])
-    if shuffle == "cells":
-        return rng.permutation(n_cells).astype(np.int64)
-    tiles = rng.permutation(len(counts))
-    pieces = []
-    for first in range(0, len(tiles), buffer_tiles):
-        group = tiles[first : first + buffer_tiles]
-        cells = np.concatenate(
-            [np.arange(starts[t], starts[t] + counts[t], dtype=np.int64) for t in group]
-        )
-        pieces.append(rng.permutation(cells))
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    plan = EpochPlan(tile_cells, shuffle=shuffle, buffer_tiles=buffer_tiles, seed=seed,
+                     epoch=epoch)  # fmt: skip
+    return plan.cells(0, plan.n_cells)
 
 
 def split_batches(
@@ -111,6 +206,38 @@ def split_batches(
     base, extra = divmod(len(batches), n_workers)
     first = worker_id * base + min(worker_id, extra)
     return batches[first : first + base + (worker_id < extra)]
+
+
+class BatchRuns(Sequence):
+    """One rank's (and worker's) batches of an :class:`EpochPlan`, as :func:`split_batches`
+    cuts them, each drawn from the plan when asked for."""
+
+    def __init__(self, plan: EpochPlan, batch_size: int, *, rank: int = 0, world_size: int = 1,
+                 worker: tuple[int, int] = (0, 1), drop_last: bool = False) -> None:  # fmt: skip
+        n = plan.n_cells
+        length = n // world_size if drop_last else -(-n // world_size)
+        n_batches = length // batch_size if drop_last else -(-length // batch_size)
+        worker_id, n_workers = worker
+        base, extra = divmod(n_batches, n_workers)
+        first = worker_id * base + min(worker_id, extra)
+        self.plan, self.batch_size = plan, batch_size
+        self._part_start, self._part_stop = rank * length, (rank + 1) * length
+        self._first, self._count = first, base + (worker_id < extra)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def bounds(self, i: int) -> tuple[int, int]:
+        """Positions in the (padded) order of batch ``i``."""
+        if not 0 <= i < self._count:
+            raise IndexError(i)
+        start = self._part_start + (self._first + i) * self.batch_size
+        return start, min(start + self.batch_size, self._part_stop)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._count))]
+        return self.plan.cells(*self.bounds(i))
 
 
 @dataclass
@@ -378,13 +505,13 @@ class Loader:
         self.epoch = int(state["epoch"])
         self._batches_done = int(state["batches_done"])
 
-    def _batches(self) -> list[np.ndarray]:
+    def _batches(self) -> BatchRuns:
         """This rank's (and worker's) batches of the current epoch, as global cell positions."""
-        order = plan_epoch(self.dataset.manifest.tile_cells, shuffle=self.shuffle,
-                           buffer_tiles=self.buffer_tiles, seed=self.seed,
-                           epoch=self.epoch)  # fmt: skip
-        return split_batches(order, self.batch_size, rank=self.rank, world_size=self.world_size,
-                             worker=self._worker, drop_last=self.drop_last)  # fmt: skip
+        plan = EpochPlan(self.dataset.manifest.tile_cells, shuffle=self.shuffle,
+                         buffer_tiles=self.buffer_tiles, seed=self.seed,
+                         epoch=self.epoch)  # fmt: skip
+        return BatchRuns(plan, self.batch_size, rank=self.rank, world_size=self.world_size,
+                         worker=self._worker, drop_last=self.drop_last)  # fmt: skip
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (and worker)."""
@@ -393,18 +520,19 @@ class Loader:
     # -- iteration -----------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
-        batches = self._batches()[self._batches_done :]
+        batches = self._batches()
+        skip = self._batches_done
         results: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
         done = object()
 
         def produce() -> None:
             try:
-                builder = _BatchBuilder(self, batches)
-                for index, cells in enumerate(batches):
+                builder = _BatchBuilder(self, batches, skip)
+                for index in range(skip, len(batches)):
                     if stop.is_set():
                         return
-                    item = builder.build(cells)
+                    item = builder.build(batches[index])
                     builder.release(index)
                     while not stop.is_set():
                         try:
@@ -445,31 +573,32 @@ REMOTE_TILES_IN_FLIGHT = 8
 class _BatchBuilder:
     """Builds batches for one iteration (runs in the loader's background thread)."""
 
-    def __init__(self, loader: Loader, batches: list[np.ndarray]) -> None:
+    def __init__(self, loader: Loader, batches: BatchRuns, skip: int = 0) -> None:
         self.loader = loader
         self.n_threads = effective_n_threads(loader.n_threads)
         self.decoded: dict[int, _DecodedTile] = {}
         self.compressed: OrderedDict[int, Tile] = OrderedDict()
         self.compressed_bytes = 0
         self.n_out_cols = len(loader.var_names)
-        # The last batch that needs each tile: a decoded tile is dropped right after it, so
-        # memory holds only the tiles still to be used (about one buffer), and its buffers
-        # are reused for the next tile instead of fresh pages.
+        # The last batch that may need each tile (from the buffers a batch overlaps, without
+        # drawing its cells): a decoded tile is dropped right after it, so memory holds only
+        # the tiles still to be used (about one buffer), and its buffers are reused for the
+        # next tile instead of fresh pages. And the tiles in the order the epoch first needs
+        # them: up to ``prefetch_tiles`` of them are being fetched at any time.
         self.last_use = np.full(len(loader._limits), -1, dtype=np.int64)
-        for i, cells in enumerate(batches):
-            self.last_use[np.searchsorted(loader._limits, cells, side="right")] = i
-        self.capacity = max(loader.dataset.manifest.tile_nnz, default=0)
-        self.spare: list[tuple[np.ndarray, np.ndarray]] = []
-        # Tiles in the order the epoch first needs them; up to ``prefetch_tiles`` of them are
-        # being fetched at any time (decompressed-tile memory stays one buffer).
-        # (each batch reads its tiles in increasing order, as group_by_tile gives them)
         seen = np.zeros(len(loader._limits), dtype=bool)
         self.upcoming = []
-        for cells in batches:
-            for t in np.unique(np.searchsorted(loader._limits, cells, side="right")):
+        for i in range(skip, len(batches)):
+            tiles = batches.plan.tiles_at(*batches.bounds(i))
+            self.last_use[tiles] = i
+            for t in tiles:
                 if not seen[t]:
                     seen[t] = True
-                    self.upcoming.append(int(t))
+                    self.upcoming.append(t)
+            if batches.plan.shuffle == "cells":
+                break  # every batch may need every tile: all of them, in tile order
+        self.capacity = max(loader.dataset.manifest.tile_nnz, default=0)
+        self.spare: list[tuple[np.ndarray, np.ndarray]] = []
         self.next_up = 0
         self.inflight: dict[int, Any] = {}
         self._fetch_ahead()
