@@ -254,3 +254,58 @@ def test_ranged_reads_over_s3(s3):
     X = dc.read_deltacells(url, storage_options=options, elements=False, ranged_reads=True).X
     rows = np.array([599, 5, 140, 141, 320, 5, 480, 250])
     assert (X[rows] != adata.X[rows]).nnz == 0
+
+
+RANK_SCRIPT = """
+import json, sys
+import torch
+import deltacells as dc
+
+url, options = sys.argv[1], json.loads(sys.argv[2])
+dataset = dc.TorchIterableDataset(url, storage_options=options, batch_size=32, seed=7)
+loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2,
+                                     multiprocessing_context="fork")
+print(json.dumps([b["cells"].tolist() for b in loader]))
+"""
+
+
+def test_two_ranks_of_two_workers_share_an_epoch_over_the_emulated_store(s3, tmp_path):
+    """Two rank processes (RANK / WORLD_SIZE), each a torch DataLoader of two workers, read
+    one epoch from the bucket through a 10 ms, 20 MB/s link: every cell exactly once, as many
+    batches on each rank, the batches the documented (seed, epoch) plan gives, and each
+    worker fetches only the tiles of its own batches' buffers."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    from deltacells.loader import BatchRuns, EpochPlan
+
+    url, options, _, _ = s3
+    upstream = options["client_kwargs"]["endpoint_url"].removeprefix("http://")
+    with FaultProxy(upstream, latency=0.01, per_connection=20e6, total=20e6) as proxy:
+        through = {**options, "client_kwargs": {"endpoint_url": proxy.endpoint}}
+        command = [sys.executable, "-c", RANK_SCRIPT, url, json.dumps(through)]
+        environments = [{**os.environ, "RANK": str(rank), "WORLD_SIZE": "2"} for rank in (0, 1)]
+        ranks = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+                 for env in environments]  # fmt: skip
+        batches = [json.loads(p.communicate(timeout=300)[0]) for p in ranks]
+        assert all(p.returncode == 0 for p in ranks)
+        fetched = [path.rsplit("/", 1)[-1] for path in proxy.forwarded if "/tiles/" in path]
+    assert len(batches[0]) == len(batches[1]) == -(-300 // 32)
+    cells = np.concatenate([np.array(b) for rank in batches for b in rank])
+    np.testing.assert_array_equal(np.sort(cells), np.arange(600))
+    plan = EpochPlan([100] * 6, shuffle="tiles", buffer_tiles=2, seed=7, epoch=0)
+    needed: list[str] = []
+    for rank, got in enumerate(batches):
+        expected = []
+        for w in range(2):
+            runs = BatchRuns(plan, 32, rank=rank, world_size=2, worker=(w, 2))
+            expected += [b.tolist() for b in runs]
+            needed += sorted({f"tile_{t:06d}.dct" for i in range(len(runs))
+                              for t in plan.tiles_at(*runs.bounds(i))})  # fmt: skip
+        assert sorted(got) == sorted(expected)
+    # 12 fetches of 6 tiles (a buffer shared by two workers is fetched by both); without
+    # sharding every worker would fetch all 6.
+    assert sorted(fetched) == sorted(needed) and len(fetched) == 12

@@ -11,6 +11,8 @@ from typing import Any
 import anndata as ad
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 import scipy.sparse as sp
 from anndata.abc import CSRDataset
 from numpy.typing import DTypeLike
@@ -850,4 +852,6 @@ def _default_obs_names(dataset: Dataset) -> pd.Index:
     m = dataset.manifest
     if m.n_tiles:
         dataset.check_tile_sizes(sorted({0, m.n_tiles - 1}))
-    return pd.Index(np.arange(m.n_cells).astype(str).astype(object))
+    # Arrow makes the strings about 3x faster than numpy's astype(str).astype(object).
+    names = pc.cast(pa.array(np.arange(m.n_cells, dtype=np.int64)), pa.string())
+    return pd.Index(names.to_numpy(zero_copy_only=False), dtype=object, copy=False)

@@ -9,11 +9,13 @@ content is damaged (the frames are decompressed, changed and compressed again, s
 version decides how a broken frame decodes): the decoder must agree exactly with
 :func:`reference_decode`, a plain numpy reading of FORMAT.md. :func:`fuzz_manifests` and
 :func:`fuzz_obs_shards` damage a dataset's manifest and obs shards (the shard's hash recorded
-anew, so the parquet reader is reached) and read everything back.
+anew, so the parquet reader is reached) and read everything back. :func:`repeat_tiles` makes
+a dataset of any size out of a small one, for measuring how reading scales to 100M cells.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -50,6 +52,7 @@ __all__ = [
     "mutate_frame_content",
     "mutate_tile",
     "reference_decode",
+    "repeat_tiles",
     "side_python",
 ]
 
@@ -491,3 +494,99 @@ def side_python(venv: str | Path, packages: list[str], explicit: str | None = No
     subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], check=True)
     return str(python)
 
+
+
+def repeat_tiles(base: str | Path, target: str | Path, n_tiles: int, *,
+                 drop_obs_names: bool = True) -> Path:  # fmt: skip
+    """A large dataset made cheaply from a small one: tile ``i`` of ``target`` is a hard link
+    to tile ``i % T`` of ``base`` (``T`` tiles), and so are its obs shards.
+
+    The result is a valid dataset of ``n_tiles`` tiles that costs no disk space for its tiles;
+    its manifest records the repeats under ``metadata["simulated"]``. Used to measure how
+    opening, reading and loading grow from 100k to 100M cells.
+
+    Parameters
+    ----------
+    base
+        A local dataset whose tiles are all full and whose obs (if any) is one shard
+        (written with ``obs_tiles_per_file`` at least its number of tiles).
+    target
+        A new local directory on the same file system.
+    n_tiles
+        Tiles of the result, a multiple of the base's tiles.
+    drop_obs_names
+        Store obs without its names column (repeated names would not be unique): readers then
+        name cells ``"0" .. "n-1"``.
+
+    Returns
+    -------
+    pathlib.Path
+        ``target``.
+    """
+    import os
+
+    import pyarrow.parquet as pq
+
+    from deltacells.dataset import open_dataset
+    from deltacells.manifest import (
+        MANIFEST_NAME,
+        OBS_SCHEMA_NAME,
+        ObsSchema,
+        obs_fingerprint,
+        obs_shard_name,
+        tile_name,
+    )
+
+    base, target = Path(base), Path(target)
+    m = open_dataset(base).manifest
+    n_base = m.n_tiles
+    if n_base == 0 or n_tiles % n_base or any(c != m.tile_size for c in m.tile_cells):
+        raise ValueError(f"{base}: needs full tiles only, and n_tiles a multiple of {n_base}")
+    if m.has_obs and m.n_obs_shards != 1:
+        raise ValueError(f"{base}: obs must be one shard (obs_tiles_per_file >= {n_base})")
+    (target / "tiles").mkdir(parents=True)
+    for i in range(n_tiles):
+        os.link(base / tile_name(i % n_base), target / tile_name(i))
+    for name in ("gene_order.npy", "var_names.txt", "var.parquet"):
+        if (base / name).exists():
+            os.link(base / name, target / name)
+    repeats = n_tiles // n_base
+    metadata = {k: v for k, v in m.metadata.items() if k not in ("anndata", "obs_pandas")}
+    metadata["simulated"] = {"base": str(base), "base_tiles": n_base, "repeats": repeats}
+    obs_fields: dict = {}
+    if m.has_obs:
+        (target / "obs").mkdir()
+        schema_text = (base / OBS_SCHEMA_NAME).read_text()
+        shard = base / obs_shard_name(0)
+        index = m.metadata.get("obs_index_column")
+        if drop_obs_names and index is not None:
+            schema = ObsSchema.from_json_text(schema_text)
+            schema_text = ObsSchema(tuple(c for c in schema.columns if c.name != index)) \
+                .to_json_text()  # fmt: skip
+            table = pq.read_table(shard).drop_columns([index])
+            shard = target / "obs" / "base.parquet"
+            pq.write_table(table, shard, row_group_size=m.tile_size)
+            metadata |= {"obs_index_column": None, "obs_names_unique": None}
+        (target / OBS_SCHEMA_NAME).write_text(schema_text)
+        for s in range(repeats):
+            os.link(shard, target / obs_shard_name(s))
+        digest = hashlib.sha256(shard.read_bytes()).hexdigest()
+        size = shard.stat().st_size
+        if shard.parent == target / "obs":
+            shard.unlink()  # the shards are links to it
+        obs_fields = {
+            "obs_tiles_per_file": n_base,
+            "obs_shard_bytes": [size] * repeats,
+            "obs_shard_sha256": [digest] * repeats,
+            "obs_fingerprint": obs_fingerprint(
+                schema_text, [m.tile_size] * n_tiles, [digest] * repeats
+            ),
+        }
+    manifest = dataclasses.replace(
+        m, n_cells=m.tile_size * n_tiles, tile_cells=m.tile_cells * repeats,
+        tile_nnz=m.tile_nnz * repeats, tile_bytes=m.tile_bytes * repeats,
+        tile_crc32=None if m.tile_crc32 is None else m.tile_crc32 * repeats,
+        metadata=metadata, **obs_fields,
+    )  # fmt: skip
+    (target / MANIFEST_NAME).write_text(manifest.to_json_text())
+    return target

@@ -1,0 +1,259 @@
+"""How opening, reading and loading grow from 100k to 100M cells.
+
+    python benchmarks/bench_scale.py [--repeats 1 10 98 977] [--quick] [--workdir DIR]
+
+A base dataset of 102,400 cells (``liao2020_balf.h5ad`` stacked with shuffled rows; 25 tiles
+of 4,096 cells, obs in one shard) is repeated by :func:`deltacells.testing.repeat_tiles`
+(hard links, no disk space) to 1x, 10x, 98x and 977x its size: 102,400 to 100,044,800 cells.
+For each size, a fresh process measures:
+
+* ``open_dataset``: median time, bytes and reads, peak traced memory; the manifest's size;
+* the ``Loader`` (4,096-cell batches, tiles shuffled): start-up (construction to the first
+  batch), the median latency of the next batches, memory;
+* a random batch: 4,096 random cells read with ``ranged_reads=True`` (only their chunks);
+* ``read_deltacells``: open without obs columns (cells named ``"0" .. "n-1"``), and with all
+  obs columns from a warm cache, time and memory.
+
+The tiles are hard links to 25 files, so the page cache holds them all: this measures the
+software's own growth, not a disk's. Writes ``benchmarks/results/scale.json`` and
+``docs/_static/bench_scale.png``. ``--quick`` (CI) runs 1x and 10x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+from _common import machine, page_figure, save_figure, stacked_adata
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
+BASE_TILES = 25
+TILE_SIZE = 4096
+BATCH = 4096
+
+
+def rss_mb() -> float:
+    """This process's resident memory now, in MB."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+class Step:
+    """Wall time and resident memory added by a block (tracemalloc would slow it down)."""
+
+    def __enter__(self):
+        gc.collect()
+        self.rss0 = rss_mb()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.s = time.perf_counter() - self.t0
+        self.rss_added_mb = rss_mb() - self.rss0
+
+    def record(self, **extra) -> dict:
+        return {"s": self.s, "rss_added_mb": self.rss_added_mb, **extra}
+
+
+def traced_peak_mb(fn) -> float:
+    """Peak memory numpy and Python allocate while ``fn()`` runs (its result dropped)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1] / 2**20
+    finally:
+        tracemalloc.stop()
+
+
+def count_reads():
+    """Patch the store to count the bytes and calls of every read (the child only)."""
+    from deltacells.storage import Store
+
+    counts = {"bytes": 0, "reads": 0}
+
+    def counted(method):
+        def wrapper(self, *args, **kwargs):
+            out = method(self, *args, **kwargs)
+            counts["reads"] += 1
+            counts["bytes"] += getattr(out, "nbytes", None) or len(out)
+            return out
+
+        return wrapper
+
+    for name in ("read_bytes", "read_buffer", "read_range"):
+        setattr(Store, name, counted(getattr(Store, name)))
+    return counts
+
+
+def child(path: str, repeats: int) -> dict:
+    """Every measurement of one dataset, in this fresh process."""
+    import deltacells as dc
+    from deltacells.backed import DeltacellsCSRDataset
+
+    counts = count_reads()
+    out: dict = {"manifest_bytes": (Path(path) / "manifest.json").stat().st_size}
+    times = []
+    for _ in range(7):
+        t = time.perf_counter()
+        dc.open_dataset(path)
+        times.append(time.perf_counter() - t)
+    counts.update(bytes=0, reads=0)
+    with Step() as step:
+        ds = dc.open_dataset(path)
+    out["open"] = step.record(median_s=statistics.median(times),
+                              traced_peak_mb=traced_peak_mb(lambda: dc.open_dataset(path)),
+                              **counts)  # fmt: skip
+    out["n_cells"], out["n_tiles"] = ds.shape[0], ds.manifest.n_tiles
+
+    with Step() as step:
+        loader = dc.Loader(ds, batch_size=BATCH, shuffle="tiles", seed=0)
+        batches = iter(loader)
+        next(batches)
+    latencies = []
+    for _ in range(20):  # the smallest dataset has 25 batches
+        t = time.perf_counter()
+        next(batches)
+        latencies.append(time.perf_counter() - t)
+    del batches
+
+    def start_epoch() -> None:
+        next(iter(dc.Loader(ds, batch_size=BATCH, shuffle="tiles", seed=1)))
+
+    out["loader"] = step.record(batch_median_s=statistics.median(latencies),
+                                batches_per_epoch=len(loader),
+                                traced_peak_mb=traced_peak_mb(start_epoch))  # fmt: skip
+    del loader
+
+    X = DeltacellsCSRDataset(ds, ranged_reads=True, column_order="stored")
+    rng = np.random.default_rng(0)
+    picks = [np.sort(rng.choice(ds.shape[0], BATCH, replace=False)) for _ in range(repeats)]
+    X[picks[0]]  # warm the page cache and the decoder's pools
+    random_times = []
+    for rows in picks:
+        t = time.perf_counter()
+        X[rows]
+        random_times.append(time.perf_counter() - t)
+    touched = len(np.unique(np.searchsorted(ds.manifest.limits, picks[0], side="right")))
+    out["random_batch"] = {"median_s": statistics.median(random_times), "tiles_touched": touched}
+    del X
+
+    with Step() as step:
+        adata = dc.read_deltacells(path, obs=False)
+    out["read_deltacells_no_obs"] = step.record()
+    del adata
+    dc.read_deltacells(path, obs=True)  # fills the obs cache
+    gc.collect()
+    with Step() as step:
+        adata = dc.read_deltacells(path, obs=True)
+    out["read_deltacells_obs"] = step.record(columns=list(adata.obs.columns))
+    return out
+
+
+def base_dataset(workdir: Path) -> Path:
+    import deltacells as dc
+
+    base = workdir / "base"
+    if not (base / "manifest.json").exists():
+        adata = stacked_adata(DATA, BASE_TILES * TILE_SIZE)
+        dc.write_deltacells(adata, base, tile_size=TILE_SIZE, obs_tiles_per_file=BASE_TILES,
+                            progress=False)  # fmt: skip
+    return base
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, nargs="+", default=[1, 10, 98, 977])
+    parser.add_argument("--quick", action="store_true", help="1x and 10x only (CI)")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/deltacells-bench-scale"))
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child[0], int(args.child[1]))))
+        return
+    from deltacells.testing import repeat_tiles
+
+    sizes = [1, 10] if args.quick else args.repeats
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    base = base_dataset(args.workdir)
+    results: dict = {"machine": machine(), "command": " ".join(sys.argv),
+                     "base_cells": BASE_TILES * TILE_SIZE, "tile_size": TILE_SIZE,
+                     "batch_size": BATCH, "sizes": []}  # fmt: skip
+    for repeats in sizes:
+        path = args.workdir / f"x{repeats}"
+        if not (path / "manifest.json").exists():
+            repeat_tiles(base, path, BASE_TILES * repeats)
+        run = subprocess.run([sys.executable, __file__, "--child", str(path), "3"],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        size = json.loads(run.stdout.strip().splitlines()[-1])
+        results["sizes"].append(size)
+        print(f"{size['n_cells']:>12,} cells: open {size['open']['median_s'] * 1e3:.1f} ms "
+              f"({size['manifest_bytes'] / 1e6:.2f} MB manifest), loader start "
+              f"{size['loader']['s']:.2f} s, batch {size['loader']['batch_median_s'] * 1e3:.1f} "
+              f"ms, random batch {size['random_batch']['median_s'] * 1e3:.0f} ms, "
+              f"read_deltacells {size['read_deltacells_no_obs']['s']:.2f} s "
+              f"(+{size['read_deltacells_no_obs']['rss_added_mb']:.0f} MB)", flush=True)
+    first, last = results["sizes"][0], results["sizes"][-1]
+    results["growth"] = {
+        "cells": last["n_cells"] / first["n_cells"],
+        "loader_batch_latency": last["loader"]["batch_median_s"]
+        / first["loader"]["batch_median_s"],
+        "open_s": last["open"]["median_s"] / first["open"]["median_s"],
+    }
+    results["targets"] = {
+        "open_under_100ms_and_10MB": last["open"]["median_s"] < 0.1
+        and last["open"]["bytes"] < 10e6,
+        "open_reads_only_the_manifest": last["open"]["reads"] == 1,
+        "loader_batch_latency_within_20pct": results["growth"]["loader_batch_latency"] < 1.2,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = "scale_quick.json" if args.quick else "scale.json"
+    (args.out / name).write_text(json.dumps(results, indent=1))
+    if not args.quick:
+        plot(results)
+
+
+def plot(results: dict) -> None:
+    fig, (top, bottom) = page_figure(2, panel_height=3.0)
+    cells = [s["n_cells"] for s in results["sizes"]]
+    lines = {
+        "open_dataset": [s["open"]["median_s"] for s in results["sizes"]],
+        "loader batch": [s["loader"]["batch_median_s"] for s in results["sizes"]],
+        "loader start-up": [s["loader"]["s"] for s in results["sizes"]],
+        "random 4,096 cells (ranged)": [s["random_batch"]["median_s"] for s in results["sizes"]],
+        "read_deltacells (no obs)": [s["read_deltacells_no_obs"]["s"] for s in results["sizes"]],
+    }
+    for label, values in lines.items():
+        top.plot(cells, values, marker="o", label=label)
+    top.set(xscale="log", yscale="log", ylabel="seconds")
+    top.legend(fontsize=7)
+    memory = {
+        "manifest (MB)": [s["manifest_bytes"] / 1e6 for s in results["sizes"]],
+        "read_deltacells, no obs (MB added)": [
+            max(s["read_deltacells_no_obs"]["rss_added_mb"], 0.01) for s in results["sizes"]
+        ],
+        "loader start-up (MB traced)": [s["loader"]["traced_peak_mb"] for s in results["sizes"]],
+        "open_dataset (MB traced)": [s["open"]["traced_peak_mb"] for s in results["sizes"]],
+    }
+    for label, values in memory.items():
+        bottom.plot(cells, values, marker="o", label=label)
+    bottom.set(xscale="log", yscale="log", xlabel="cells (log)", ylabel="MB")
+    bottom.legend(fontsize=7)
+    save_figure(fig, ROOT / "docs" / "_static" / "bench_scale.png",
+                "Growth from 100k to 100M cells (tiles repeated)", results)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
