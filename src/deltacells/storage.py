@@ -3,7 +3,9 @@
 Local paths use the file system directly (``pread``-style reads, temporary file + rename for
 atomic writes). Everything else goes through fsspec (``s3://``, ``gs://``, ``memory://``, ...);
 there an object appears whole when its single PUT completes, which is what atomic means on
-object stores.
+object stores. For ``s3://``, ``gs://``, ``az://`` and ``http(s)://`` the client can be
+obstore's (Rust, ``pip install obstore``) instead of fsspec's own (s3fs, gcsfs, ...): pass
+``storage_options={"client": "obstore", ...}`` or set ``$DELTACELLS_CLIENT=obstore``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import pyarrow as pa
 
 from deltacells.format import FormatError
 
-__all__ = ["DEFAULT_DEADLINE", "DEFAULT_TIMEOUT", "StorageError", "Store", "open_store"]
+__all__ = ["CLIENTS", "DEFAULT_DEADLINE", "DEFAULT_TIMEOUT", "StorageError", "Store", "open_store"]
 
 #: Seconds one request to a remote store may take before it is abandoned and retried
 #: (``$DELTACELLS_TIMEOUT`` overrides it).
@@ -150,6 +152,72 @@ def _with_client_timeouts(url: str, options: dict, timeout: float) -> dict:
     return options
 
 
+#: Object-store clients a :class:`Store` can use for URLs (see the module docstring).
+CLIENTS = ("fsspec", "obstore")
+_OBSTORE_PROTOCOLS = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs", "az": "az",
+                      "abfs": "az", "abfss": "az", "http": "http", "https": "https"}  # fmt: skip
+#: s3fs options obstore has no use for (deltacells' own timeouts and retries apply).
+_S3FS_ONLY = ("skip_instance_cache", "use_listings_cache", "config_kwargs", "default_block_size",
+              "default_fill_cache", "asynchronous", "loop")  # fmt: skip
+
+
+def _pop_client(url: str, options: dict) -> tuple[str, dict]:
+    """The client named by ``options["client"]`` (or ``$DELTACELLS_CLIENT``, else fsspec)
+    and the options without it."""
+    options = dict(options)
+    client = options.pop("client", None) or os.environ.get("DELTACELLS_CLIENT") or "fsspec"
+    if client not in CLIENTS:
+        raise ValueError(f"storage client must be one of {CLIENTS}, not {client!r}")
+    protocol = url.split("://", 1)[0]
+    if client == "obstore" and protocol not in _OBSTORE_PROTOCOLS:
+        raise ValueError(f"the obstore client reads {sorted(set(_OBSTORE_PROTOCOLS))} URLs, "
+                         f"not {protocol}://")  # fmt: skip
+    return client, options
+
+
+def _obstore_filesystem(url: str, options: dict, timeout: float):
+    """obstore's fsspec file system for ``url``, from obstore's own options (``config``,
+    ``client_options``, ``retry_config``) or s3fs-style ones (``key``, ``secret``, ``token``,
+    ``anon``, ``endpoint_url`` / ``client_kwargs``). Its own retries are off: the
+    :class:`Store` retries, within its deadline."""
+    try:
+        from obstore.fsspec import FsspecStore
+    except ModuleNotFoundError:
+        raise ImportError("the obstore client needs obstore: pip install obstore") from None
+    options = dict(options)
+    protocol = _OBSTORE_PROTOCOLS[url.split("://", 1)[0]]
+    config = dict(options.pop("config", None) or {})
+    client_options = dict(options.pop("client_options", None) or {})
+    retry_config = options.pop("retry_config", None) or {"max_retries": 0}
+    client_kwargs = dict(options.pop("client_kwargs", None) or {})
+    endpoint = options.pop("endpoint_url", None) or client_kwargs.pop("endpoint_url", None)
+    if protocol == "s3":
+        renamed = {"key": "aws_access_key_id", "secret": "aws_secret_access_key",
+                   "token": "aws_session_token"}  # fmt: skip
+        for ours, theirs in renamed.items():
+            if options.get(ours) is not None:
+                config.setdefault(theirs, options.pop(ours))
+        if options.pop("anon", False):
+            config.setdefault("aws_skip_signature", "true")
+        region = client_kwargs.pop("region_name", None)
+        if region:
+            config.setdefault("aws_region", region)
+        if endpoint:
+            config.setdefault("aws_endpoint", endpoint)
+    for key in _S3FS_ONLY:
+        options.pop(key, None)
+    unknown = sorted(set(options) | set(client_kwargs))
+    if unknown:
+        raise ValueError(f"storage options the obstore client does not take: {unknown}; pass "
+                         "obstore's own as config=, client_options=, retry_config=")  # fmt: skip
+    if endpoint and endpoint.startswith("http://"):
+        client_options.setdefault("allow_http", True)
+    client_options.setdefault("timeout", f"{2 * timeout:g}s")
+    client_options.setdefault("connect_timeout", f"{2 * timeout:g}s")
+    return FsspecStore(protocol, config=config or None, client_options=client_options,
+                       retry_config=retry_config)  # fmt: skip
+
+
 def _is_url(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
 
@@ -162,7 +230,11 @@ class Store:
     root
         A local directory, a ``file://`` URL or an fsspec URL.
     storage_options
-        Passed to fsspec for URLs (credentials, endpoint, ...).
+        Passed to fsspec for URLs (credentials, endpoint, ...). ``"client": "obstore"`` reads
+        ``s3://``, ``gs://``, ``az://`` and ``http(s)://`` URLs with obstore instead (the
+        s3fs-style ``key``, ``secret``, ``token``, ``anon`` and ``endpoint_url`` are
+        translated; obstore's own ``config``, ``client_options`` and ``retry_config`` are
+        passed on); ``$DELTACELLS_CLIENT`` sets the default.
     retries, backoff
         Transient read failures are retried this many times, waiting ``backoff`` seconds and
         doubling each time.
@@ -212,6 +284,10 @@ class Store:
         if not (self.timeout > 0 and self.deadline > 0):
             raise ValueError("timeout and deadline must be > 0 seconds")
         self.follow_external_links = follow_external_links
+        self.client = "local"
+        # What a failed attempt raises when it may succeed if tried again.
+        self._transient: tuple[type[BaseException], ...] = (OSError, TimeoutError,
+                                                             ConnectionError)  # fmt: skip
         self._executor: ThreadPoolExecutor | None = None
         self._executor_pid = os.getpid()
         if root.startswith("file://"):
@@ -222,10 +298,18 @@ class Store:
             self._real_root: str | None = None
             self._fs: Any = None
         else:
-            import fsspec
+            self.client, options = _pop_client(root, self.storage_options)
+            if self.client == "obstore":
+                self._fs = _obstore_filesystem(root, options, self.timeout)
+                self._root_path = root.split("://", 1)[1].rstrip("/")
+                from obstore.exceptions import BaseError
 
-            options = _with_client_timeouts(root, self.storage_options, self.timeout)
-            self._fs, self._root_path = fsspec.core.url_to_fs(root, **options)
+                self._transient = (*self._transient, BaseError)
+            else:
+                import fsspec
+
+                options = _with_client_timeouts(root, options, self.timeout)
+                self._fs, self._root_path = fsspec.core.url_to_fs(root, **options)
 
     # -- naming --------------------------------------------------------------------------------
 
@@ -261,7 +345,7 @@ class Store:
                 return _call_with_timeout(call, max(0.0, min(self.timeout, remaining)))
             except FileNotFoundError:
                 raise FormatError(f"{self.describe(name)}: missing") from None
-            except (OSError, TimeoutError, ConnectionError) as err:
+            except self._transient as err:
                 elapsed = time.monotonic() - start
                 out_of_time = elapsed + delay >= self.deadline and not self.is_local
                 if attempt > self.retries or out_of_time:
