@@ -10,7 +10,12 @@ uploaded to moto), through the proxy, in one run:
   with its defaults (tiles fetched ahead) and with ``prefetch_tiles=0`` (one tile at a time);
 * random 4,096-cell reads by whole tiles and with ``ranged_reads=True`` (only the chunks the
   cells are in), on the default layout (8 chunks per tile) and on ``n_chunks=512``;
-* ``to_memory`` of the first 200,000 cells' tiles (a contiguous slice).
+* ``to_memory`` of the first 200,000 cells' tiles (a contiguous slice);
+* the loader and the servers' uncapped speed again with obstore as the client instead of
+  fsspec (s3fs);
+* peers through the same proxy, on ``--peer-cells`` cells (200,000: their inputs are 10x
+  larger): annbatch (its own virtualenv, as in ``bench_loader.py``) and anndata backed h5ad
+  over their first ``--peer-batches`` batches, next to deltacells' loader on the same cells.
 
 Each reports cells/s, bytes and requests through the proxy, next to the **bandwidth bound**
 (bandwidth / bytes per cell of the tiles) and the proxy's own throughput without caps (moto
@@ -57,10 +62,16 @@ def main() -> None:
                         help="bytes/s per connection and in total")  # fmt: skip
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--random-reads", type=int, default=5)
+    parser.add_argument("--peer-cells", type=int, default=200_000)
+    parser.add_argument("--peer-batches", type=int, default=5)
+    parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--annbatch-python")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "remote.json")
+    parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
     results: dict = {"machine": machine(), "n_cells": args.cells, "latency_s": args.latency,
                      "bandwidth_bytes_per_s": args.bandwidth,
-                     "command": "python benchmarks/bench_remote.py"}  # fmt: skip
+                     "command": " ".join(["python", *sys.argv])}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp:
         local = Path(tmp) / "stacked.dc"
         fine = Path(tmp) / "stacked-512.dc"  # the random-access layout (8 cells per chunk)
@@ -85,18 +96,25 @@ def main() -> None:
                 options = {**s3.options, "client_kwargs": {"endpoint_url": open_proxy.endpoint}}
                 store = dc.open_dataset(url, storage_options=options).store
                 names = [f"tiles/tile_{t:06d}.dct" for t in range(min(40, manifest.n_tiles))]
-                t = time.perf_counter()
-                for future in store.prefetch(names, manifest.tile_bytes[: len(names)]).values():
-                    future.result()
-                elapsed = time.perf_counter() - t
-                results["uncapped_bytes_per_s"] = sum(manifest.tile_bytes[: len(names)]) / elapsed
+                for key, client in (("uncapped_bytes_per_s", "fsspec"),
+                                    ("uncapped_bytes_per_s_obstore", "obstore")):  # fmt: skip
+                    store = dc.open_dataset(url, storage_options={**options,
+                                                                  "client": client}).store
+                    t = time.perf_counter()
+                    for future in store.prefetch(names,
+                                                 manifest.tile_bytes[: len(names)]).values():
+                        future.result()
+                    elapsed = time.perf_counter() - t
+                    results[key] = sum(manifest.tile_bytes[: len(names)]) / elapsed
             with FaultProxy(upstream, latency=args.latency, per_connection=args.bandwidth,
                             total=args.bandwidth) as proxy:  # fmt: skip
                 options = {**s3.options, "client_kwargs": {"endpoint_url": proxy.endpoint}}
                 runs = {}
-                for label, ahead in (("loader_defaults", None), ("loader_one_tile_at_a_time", 0)):
-                    loader = dc.Loader(url, batch_size=4096, seed=0, storage_options=options,
-                                       prefetch_tiles=ahead)  # fmt: skip
+                for label, ahead, client in (("loader_defaults", None, "fsspec"),
+                                             ("loader_defaults_obstore", None, "obstore"),
+                                             ("loader_one_tile_at_a_time", 0, "fsspec")):
+                    loader = dc.Loader(url, batch_size=4096, seed=0, prefetch_tiles=ahead,
+                                       storage_options={**options, "client": client})
 
                     def epoch(loader=loader) -> int:
                         return sum(batch.X.shape[0] for batch in loader)
@@ -133,10 +151,58 @@ def main() -> None:
                     runs["slice_first_tiles"]["cells_per_s"]
                     / results["bandwidth_bound_cells_per_s"])
                 results["runs"] = runs
+        if not args.no_peers:
+            results["peers"] = peers(args, Path(tmp))
     results["peak_rss_mb"] = peak_rss_mb()
-    (HERE / "results" / "remote.json").write_text(json.dumps(results, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
     print(json.dumps({k: v for k, v in results.items() if k != "runs"}, indent=1))
-    plot(results)
+    if not args.no_plot:
+        plot(results)
+
+
+def peers(args, workdir: Path) -> dict:
+    """annbatch, anndata and deltacells on ``--peer-cells`` cells through one proxy, each in
+    its own process (bench_loader's children): cells/s, bytes and requests per cell."""
+    from bench_loader import annbatch_python, make_inputs, run_child
+
+    (workdir / "peers").mkdir()
+    paths = make_inputs(DATA, args.peer_cells, workdir / "peers")
+    python = annbatch_python(args.annbatch_python)
+    collection = workdir / "peers" / "annbatch.zarr"
+    run_child(python, "annbatch", str(paths["h5ad"]), 4096, {"convert_to": str(collection)})
+    out: dict = {"n_cells": args.peer_cells, "batches": args.peer_batches,
+                 "input_bytes": {"deltacells tiles": sum(dc.open_dataset(
+                     paths["deltacells"]).manifest.tile_bytes),
+                     "h5ad": paths["h5ad"].stat().st_size}}  # fmt: skip
+    with MotoS3() as s3:
+        urls = {"deltacells": s3.upload("peer.dc", paths["deltacells"]),
+                "h5ad": s3.upload("peer.h5ad", paths["h5ad"]),
+                "annbatch": s3.upload("peer-annbatch.zarr", collection)}  # fmt: skip
+        upstream = s3.endpoint.removeprefix("http://")
+        with FaultProxy(upstream, latency=args.latency, per_connection=args.bandwidth,
+                        total=args.bandwidth) as proxy:  # fmt: skip
+            through = {**s3.options, "client_kwargs": {"endpoint_url": proxy.endpoint}}
+            few = {"storage_options": through, "max_batches": args.peer_batches}
+            runs = {
+                "deltacells loader (epoch)": (sys.executable, "deltacells", urls["deltacells"],
+                                              {"storage_options": through}),
+                "deltacells loader, obstore (epoch)": (
+                    sys.executable, "deltacells", urls["deltacells"],
+                    {"storage_options": {**through, "client": "obstore"}}),
+                f"annbatch ({args.peer_batches} batches)": (python, "annbatch", urls["annbatch"],
+                                                            few),
+                f"anndata backed h5ad ({args.peer_batches} batches)": (
+                    sys.executable, "anndata", urls["h5ad"], few),
+            }  # fmt: skip
+            for label, (exe, tool, url, options) in runs.items():
+                bytes0, requests0 = proxy.bytes_sent, proxy.requests
+                row = run_child(exe, tool, url, 4096, options)
+                row["bytes_per_cell"] = (proxy.bytes_sent - bytes0) / row["cells"]
+                row["requests"] = proxy.requests - requests0
+                out[label] = row
+                print(label, json.dumps(row), flush=True)
+    return out
 
 
 def plot(results: dict) -> None:
