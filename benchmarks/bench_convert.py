@@ -11,7 +11,8 @@
 on 1 .. 10 input files, reporting wall time, the speed-up of 2 workers over 1 and over the
 single process, the peak RSS of the process that calls ``write_deltacells`` and of each
 worker (their own VmHWM, asked with ``client.run``), and whether the outputs are byte-identical
-(same manifest). Writes ``benchmarks/results/convert.json`` and ``docs/_static/bench_convert.png``.
+(same manifest). Writes ``benchmarks/results/convert.json``, ``docs/_static/bench_convert.png``
+and the docs' table ``docs/_static/bench_convert.md`` (``--from-json`` redraws both).
 """
 
 from __future__ import annotations
@@ -76,9 +77,15 @@ def main() -> None:
                         / "convert.json")  # fmt: skip
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--from-json", type=Path, help="only redraw the plot and table")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
+        return
+    if args.from_json:
+        results = json.loads(args.from_json.read_text())
+        plot(results)
+        table(results)
         return
     results: dict = {"machine": machine(), "command": " ".join(["python", *sys.argv]),
                      "cells_per_file": args.cells_per_file, "runs": []}  # fmt: skip
@@ -107,6 +114,27 @@ def main() -> None:
     args.out.write_text(json.dumps(results, indent=1))
     if not args.no_plot:
         plot(results)
+        table(results)
+
+
+def table(results: dict) -> None:
+    """The docs' table of this run (``docs/_static/bench_convert.md``)."""
+    lines = [
+        "| files | cells | one process | dask, 1 worker | dask, 2 workers | 2 vs 1 worker | "
+        "peak RSS: one process | caller (2 workers) | largest worker (2 workers) | "
+        "byte-identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["runs"]:
+        one, w1, w2 = r["single_process"], r["dask_1_worker"], r["dask_2_workers"]
+        lines.append(
+            f"| {r['files']} | {one['n_cells']:,} | {one['seconds']:.1f} s | "
+            f"{w1['seconds']:.1f} s | {w2['seconds']:.1f} s | "
+            f"{r['speedup_2_vs_1_worker']:.2f}x | {one['caller_peak_rss_mb']:,.0f} MB | "
+            f"{w2['caller_peak_rss_mb']:,.0f} MB | {max(w2['worker_peak_rss_mb']):,.0f} MB | "
+            f"{'yes' if r['byte_identical'] else 'NO'} |"
+        )
+    (ROOT / "docs" / "_static" / "bench_convert.md").write_text("\n".join(lines) + "\n")
 
 
 def plot(results: dict) -> None:

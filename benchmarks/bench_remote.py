@@ -68,7 +68,13 @@ def main() -> None:
     parser.add_argument("--annbatch-python")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "remote.json")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--from-json", type=Path, help="only redraw the plot and table")
     args = parser.parse_args()
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        plot(saved)
+        table(saved)
+        return
     results: dict = {"machine": machine(), "n_cells": args.cells, "latency_s": args.latency,
                      "bandwidth_bytes_per_s": args.bandwidth,
                      "command": " ".join(["python", *sys.argv])}  # fmt: skip
@@ -159,6 +165,41 @@ def main() -> None:
     print(json.dumps({k: v for k, v in results.items() if k != "runs"}, indent=1))
     if not args.no_plot:
         plot(results)
+        table(results)
+
+
+def table(results: dict) -> None:
+    """The docs' table of this run (``docs/_static/bench_remote.md``)."""
+    bound = results["bandwidth_bound_cells_per_s"]
+    lines = [
+        f"{results['n_cells']:,} cells, {results['dataset']['bytes_per_cell']:.0f} bytes per "
+        f"cell: the bandwidth bound is **{bound:,.0f} cells/s**. Uncapped, the servers gave "
+        f"{results['uncapped_bytes_per_s'] / 1e6:.0f} MB/s to fsspec (s3fs) and "
+        f"{results.get('uncapped_bytes_per_s_obstore', float('nan')) / 1e6:.0f} MB/s to "
+        "obstore.",
+        "",
+        "| run | cells/s | x bound | bytes | requests |",
+        "|---|---|---|---|---|",
+    ]
+    for name, row in results["runs"].items():
+        lines.append(f"| {name} | {row['cells_per_s']:,.0f} | {row['cells_per_s'] / bound:.2f} | "
+                     f"{row['bytes'] / 1e6:,.0f} MB | {row['requests']:,} |")  # fmt: skip
+    peers = results.get("peers")
+    if peers:
+        lines += [
+            "",
+            f"Peers on {peers['n_cells']:,} cells through the same proxy (annbatch and anndata "
+            f"over their first {peers['batches']} batches of 4,096 cells):",
+            "",
+            "| reader | cells/s | bytes per cell | requests | peak RSS |",
+            "|---|---|---|---|---|",
+        ]
+        for name, row in peers.items():
+            if isinstance(row, dict) and "cells_per_s" in row:
+                lines.append(f"| {name} | {row['cells_per_s']:,.0f} | "
+                             f"{row['bytes_per_cell']:,.0f} | {row['requests']:,} | "
+                             f"{row['peak_rss_mb']:,.0f} MB |")  # fmt: skip
+    (ROOT / "docs" / "_static" / "bench_remote.md").write_text("\n".join(lines) + "\n")
 
 
 def peers(args, workdir: Path) -> dict:

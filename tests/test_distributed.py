@@ -54,6 +54,49 @@ def test_files_on_a_cluster_are_byte_identical(client, inputs, tmp_path, shuffle
     dc.open_dataset(tmp_path / "cluster").verify()
 
 
+def test_pass_one_runs_as_tasks_on_the_cluster(client, inputs, tmp_path, monkeypatch):
+    """Checking counts and adding up gene totals runs as tasks of a few blocks per input
+    (here one block each), on the workers: the same bytes, also with counts above 65535
+    (chung: the tile size their exceptions allow is found by the tasks)."""
+    from conftest import DATA_DIR
+
+    from deltacells import writer
+
+    monkeypatch.setattr(writer, "CHECK_BLOCKS_PER_TASK", 1)
+    for name, sources in (("atlas", inputs), ("chung", [DATA_DIR / "chung2017_smartseq2.h5ad"])):
+        options = {"tile_size": 250 if name == "atlas" else None, "progress": False}
+        dc.write_deltacells(sources, tmp_path / f"{name}-here", **options)
+        with distributed.get_task_stream(client) as stream:
+            dc.write_deltacells(sources, tmp_path / f"{name}-cluster", client=client, **options)
+        same_files(tmp_path / f"{name}-here", tmp_path / f"{name}-cluster")
+        checks = [t for t in stream.data if str(t["key"]).startswith("_check_task")]
+        n_obs = [dc.open_dataset(tmp_path / f"{name}-here").shape[0]] if name == "chung" \
+            else [700, 800, 900]  # fmt: skip
+        block = 250 if name == "atlas" else dc.open_dataset(tmp_path / "chung-here").manifest \
+            .tile_size  # fmt: skip
+        assert len(checks) >= sum(-(-n // block) for n in n_obs)
+
+
+def test_pass_one_on_the_cluster_names_the_first_bad_value(client, inputs, tmp_path):
+    import anndata as ad
+
+    bad = ad.read_h5ad(inputs[1])
+    counts = bad.X.tolil()
+    counts[450, 7] = -3
+    counts[600, 2] = -1
+    bad.X = counts.tocsr()
+    path = tmp_path / "bad.h5ad"
+    bad.write_h5ad(path)
+    sources = [inputs[0], path, inputs[2]]
+    with pytest.raises(dc.CountError) as here:
+        dc.write_deltacells(sources, tmp_path / "here", tile_size=100, progress=False)
+    with pytest.raises(dc.CountError) as there:
+        dc.write_deltacells(sources, tmp_path / "there", tile_size=100, client=client,
+                            progress=False)  # fmt: skip
+    assert str(there.value) == str(here.value)
+    assert "bad.h5ad" in str(there.value) and "cell 450" in str(there.value)
+
+
 def test_in_memory_anndata_on_a_cluster(client, tmp_path):
     adata = small_adata(n_cells=900, seed=5)
     adata.layers["counts"] = adata.X.copy()

@@ -222,11 +222,13 @@ class _Part:
             close()
 
 
-def _open_part(source: Any, layer: str | None, use_raw: bool) -> _Part:
+def _open_part(source: Any, layer: str | None, use_raw: bool, tables: bool = True) -> _Part:
+    """An input opened for reading; ``tables=False`` skips reading its obs and var (empty
+    frames instead), for the encoding tasks that need its counts only."""
     if isinstance(source, ad.AnnData):
         return _part_from_anndata(source, layer, use_raw)
     if isinstance(source, str | os.PathLike):
-        return _part_from_path(Path(source), layer, use_raw)
+        return _part_from_path(Path(source), layer, use_raw, tables)
     raise TypeError(f"source must be an AnnData or a path to .h5ad / .zarr, not {type(source)}")
 
 
@@ -247,7 +249,7 @@ def _part_from_anndata(adata: ad.AnnData, layer: str | None, use_raw: bool) -> _
     return _Part(label, _reader_for(matrix), adata.obs, var)
 
 
-def _part_from_path(path: Path, layer: str | None, use_raw: bool) -> _Part:
+def _part_from_path(path: Path, layer: str | None, use_raw: bool, tables: bool = True) -> _Part:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
     if path.suffix == ".zarr" or path.is_dir():
@@ -260,20 +262,23 @@ def _part_from_path(path: Path, layer: str | None, use_raw: bool) -> _Part:
 
         group = h5py.File(path, "r")
         closers = [group.close]
+    def table(elem) -> pd.DataFrame:
+        return ad.io.read_elem(elem) if tables else pd.DataFrame()
+
     try:
         if use_raw:
             from deltacells._extras import has_raw
 
             if not has_raw(group):
                 raise ValueError(f"{path}: use_raw=True but the file has no raw")
-            elem, var = group["raw"]["X"], ad.io.read_elem(group["raw"]["var"])
+            elem, var = group["raw"]["X"], table(group["raw"]["var"])
         elif layer is not None:
             if "layers" not in group or layer not in group["layers"]:
                 raise KeyError(f"{path}: layer {layer!r} not found")
-            elem, var = group["layers"][layer], ad.io.read_elem(group["var"])
+            elem, var = group["layers"][layer], table(group["var"])
         else:
-            elem, var = group["X"], ad.io.read_elem(group["var"])
-        obs = ad.io.read_elem(group["obs"])
+            elem, var = group["X"], table(group["var"])
+        obs = table(group["obs"])
         encoding = dict(elem.attrs).get("encoding-type", "")
         matrix = ad.io.sparse_dataset(elem) if "matrix" in str(encoding) else elem
         return _Part(str(path), _reader_for(matrix), obs, var, closers)
@@ -492,14 +497,7 @@ def _check_and_total(
         try:
             indptr, indices, data, shape = canonical_csr(block)
         except CountError as err:
-            cell = start + err.cell
-            raise CountError(
-                err.problem,
-                cell,
-                err.gene,
-                message=f"{part.label}: {err.problem} at cell {cell} "
-                f"({part.obs.index[cell]!r}), gene {err.gene} ({part.var.index[err.gene]!r})",
-            ) from None
+            raise _count_error(part, err.problem, start + err.cell, err.gene) from None
         fitting = min(fitting, _cells_per_tile_for_exceptions(indptr, data, block_size))
         part_totals = np.bincount(indices, weights=data, minlength=shape[1])
         mapped = col_maps[p]
@@ -512,6 +510,70 @@ def _check_and_total(
             else:
                 cache.clear()
                 budget = 0
+    return totals, fitting
+
+
+def _count_error(part: _Part, problem: str, cell: int, gene: int) -> CountError:
+    """A CountError naming the input, the cell and the gene."""
+    return CountError(problem, cell, gene, message=(
+        f"{part.label}: {problem} at cell {cell} ({part.obs.index[cell]!r}), gene {gene} "
+        f"({part.var.index[gene]!r})"))  # fmt: skip
+
+
+#: Blocks (of the tile size) one pass-1 dask task checks.
+CHECK_BLOCKS_PER_TASK = 16
+
+
+def _check_task(item: Any, layer, use_raw, start: int, stop: int, block_size: int) -> tuple:
+    """One pass-1 dask task: cells ``start:stop`` of one input checked in the blocks the
+    single-process pass reads, their gene totals (the input's own genes) and the tile size
+    their large counts allow; or the first bad value as ``("error", problem, cell, gene)``."""
+    part = _open_part(item, layer, use_raw, tables=False)
+    try:
+        totals, fitting = None, block_size
+        for first in range(start, stop, block_size):
+            block = part.reader.block(first, min(first + block_size, stop))
+            try:
+                indptr, indices, data, shape = canonical_csr(block)
+            except CountError as err:
+                return ("error", err.problem, first + err.cell, err.gene)
+            fitting = min(fitting, _cells_per_tile_for_exceptions(indptr, data, block_size))
+            block_totals = np.bincount(indices, weights=data, minlength=shape[1])
+            totals = block_totals if totals is None else totals + block_totals
+        return ("ok", totals, fitting)
+    finally:
+        part.close()
+
+
+def _check_and_total_distributed(client, sources: list, parts: list[_Part], layer, use_raw,
+                                 col_maps, n_genes: int, block_size: int,
+                                 progress) -> tuple[np.ndarray, int]:  # fmt: skip
+    """Pass 1 on dask.distributed: a task per run of blocks of each input file, summed here.
+    Counts are integers, so the float64 totals are exact in any order: the result, and so the
+    gene order, equals the single-process pass's."""
+    from distributed import as_completed
+
+    step = block_size * CHECK_BLOCKS_PER_TASK
+    jobs = [(p, start, min(start + step, part.n_obs))
+            for p, part in enumerate(parts) for start in range(0, part.n_obs, step)]  # fmt: skip
+    futures = {client.submit(_check_task, sources[p], layer, use_raw, start, stop, block_size,
+                             pure=False): (p, start) for p, start, stop in jobs}  # fmt: skip
+    results: dict[tuple[int, int], tuple] = {}
+    bar = iter(progress(range(len(jobs)), total=len(jobs), desc="checking counts (dask)"))
+    next(bar, None)
+    for future in as_completed(futures):
+        results[futures[future]] = future.result()
+        next(bar, None)
+    totals = np.zeros(n_genes, dtype=np.float64)
+    fitting = block_size
+    for p, start, _ in jobs:  # in input order: the first bad value is the one reported
+        outcome = results[(p, start)]
+        if outcome[0] == "error":
+            raise _count_error(parts[p], *outcome[1:])
+        _, part_totals, part_fitting = outcome
+        fitting = min(fitting, part_fitting)
+        keep = col_maps[p] >= 0
+        totals[col_maps[p][keep]] += part_totals[keep]
     return totals, fitting
 
 
@@ -824,6 +886,7 @@ def write_deltacells(
     _check_target(target, overwrite)
     progress_bar = _progress_factory(progress)
     parts: list[_Part] = []
+    cluster = contextlib.ExitStack()  # a LocalCluster started for this write
     try:
         for item in sources:
             parts.append(_open_part(item, layer, use_raw))
@@ -840,10 +903,19 @@ def write_deltacells(
         # Blocks kept from pass 1 serve pass 2 only when both read the source in order.
         reordered = shuffle or cell_order is not None or spatial_key is not None \
             or shapes is not None  # fmt: skip
-        budget = cache_bytes if on_disk and not reordered else 0
+        dask_client = client if client is not None else (
+            cluster.enter_context(_local_client(n_workers)) if n_workers > 1 else None)
         cache: dict = {}
-        totals, fitting = _check_and_total(parts, col_maps, n_genes, tile_size, progress_bar,
-                                           cache, budget)  # fmt: skip
+        if dask_client is not None and all(isinstance(item, str | os.PathLike)
+                                           for item in sources):  # fmt: skip
+            totals, fitting = _check_and_total_distributed(
+                dask_client, sources, parts, layer, use_raw, col_maps, n_genes, tile_size,
+                progress_bar)  # fmt: skip
+        else:
+            # Blocks kept for pass 2 help only when this process writes the tiles.
+            budget = cache_bytes if on_disk and not reordered and dask_client is None else 0
+            totals, fitting = _check_and_total(parts, col_maps, n_genes, tile_size,
+                                               progress_bar, cache, budget)  # fmt: skip
         tile_size = _settle_tile_size(tile_size, fitting, chosen_tile_size)
         if n_chunks is None:
             spatially = spatial_key is not None or shapes is not None
@@ -898,7 +970,6 @@ def write_deltacells(
         else:
             store = target
             store.make_root()
-        stack = contextlib.ExitStack()
         try:
             settings = _Settings(
                 tile_size=tile_size, n_chunks=n_chunks, zstd_level=zstd_level,
@@ -907,8 +978,7 @@ def write_deltacells(
                 obs_tiles_per_file=obs_tiles_per_file,
                 source=sources[0] if elements and len(sources) == 1 else None,
                 storage_options=storage_options, inputs=tuple(sources),
-                client=client if client is not None else (
-                    stack.enter_context(_local_client(n_workers)) if n_workers > 1 else None),
+                client=dask_client,
             )  # fmt: skip
             if elements and len(sources) > 1:
                 _warn_if_dropped(sources)
@@ -928,12 +998,11 @@ def write_deltacells(
             if replacing:
                 store.remove_tree()
             raise
-        finally:
-            stack.close()  # a LocalCluster started for this write
         return manifest
     finally:
         for part in parts:
             part.close()
+        cluster.close()
 
 
 @dataclass(frozen=True)
@@ -1151,15 +1220,20 @@ TILES_PER_TASK = 4
 
 def _encode_task(inputs: tuple, layer, use_raw, plan: _Plan, tile_size: int, n_chunks: int,
                  level: int, n_threads, store: Store, tiles: list[int]) -> list:  # fmt: skip
-    """One dask task: open the inputs here (files are read by the worker, not shipped), then
-    encode and write ``tiles``."""
-    parts = [_open_part(item, layer, use_raw) for item in inputs]
+    """One dask task: open the inputs its tiles' rows are in, here (files are read by the
+    worker, not shipped; their counts only, not obs and var), then encode and write
+    ``tiles``. The other inputs stay unopened: a task's cost does not grow with the atlas."""
+    rows = np.concatenate([_tile_rows(plan, t, tile_size) for t in tiles])
+    needed = set(np.unique(np.searchsorted(plan.offsets, rows, side="right") - 1).tolist())
+    parts = [_open_part(item, layer, use_raw, tables=False) if p in needed else None
+             for p, item in enumerate(inputs)]  # fmt: skip
     try:
         return [(t, _encode_tile_to(store, parts, plan, t, tile_size, n_chunks, level,
                                     n_threads, {})) for t in tiles]  # fmt: skip
     finally:
         for part in parts:
-            part.close()
+            if part is not None:
+                part.close()
 
 
 def _write_tiles_distributed(client, store: Store, s: _Settings, plan: _Plan, progress):

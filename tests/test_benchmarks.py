@@ -1,0 +1,57 @@
+"""Small runs of the atlas-scale benchmarks (CI runs these; the full runs are in benchmarks/).
+
+They check that the scripts run end to end and that what they report holds (open reads the
+manifest alone, conversions are byte-identical, an epoch reads every cell), not timings.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def run(script: str, *args: str) -> None:
+    done = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True,
+                          text=True, cwd=BENCH, check=False, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_bench_scale_quick(tmp_path):
+    run("bench_scale.py", "--quick", "--workdir", str(tmp_path / "work"), "--out", str(tmp_path))
+    results = json.loads((tmp_path / "scale_quick.json").read_text())
+    sizes = results["sizes"]
+    assert [s["n_cells"] for s in sizes] == [102_400, 1_024_000]
+    for size in sizes:
+        assert size["open"]["reads"] == 1 and size["open"]["bytes"] == size["manifest_bytes"]
+        assert size["loader"]["batches_per_epoch"] == size["n_cells"] // 4096
+    assert results["targets"]["open_reads_only_the_manifest"]
+
+
+def test_bench_convert_small(tmp_path):
+    pytest.importorskip("distributed")
+    out = tmp_path / "convert.json"
+    run("bench_convert.py", "--cells-per-file", "3000", "--files", "1", "2", "--out", str(out),
+        "--no-plot")  # fmt: skip
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["files"] for r in runs] == [1, 2]
+    assert all(r["byte_identical"] for r in runs)
+    assert all(len(r["dask_2_workers"]["worker_peak_rss_mb"]) == 2 for r in runs)
+
+
+def test_bench_remote_small(tmp_path):
+    pytest.importorskip("moto.server")
+    pytest.importorskip("obstore")
+    out = tmp_path / "remote.json"
+    run("bench_remote.py", "--cells", "9000", "--random-reads", "1", "--no-peers", "--out",
+        str(out), "--no-plot")  # fmt: skip
+    results = json.loads(out.read_text())
+    for name in ("loader_defaults", "loader_defaults_obstore", "loader_one_tile_at_a_time"):
+        assert results["runs"][name]["cells"] == 9000
+        assert results["runs"][name]["bytes"] >= results["dataset"]["tile_bytes"]
+    assert results["runs"]["random_4096_ranged_chunks_512_chunks"]["cells"] == 4096
