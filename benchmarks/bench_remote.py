@@ -91,6 +91,13 @@ def main() -> None:
         results["dataset"] = {"tile_bytes": tile_bytes, "n_tiles": manifest.n_tiles,
                               "bytes_per_cell": bytes_per_cell}  # fmt: skip
         results["bandwidth_bound_cells_per_s"] = args.bandwidth / bytes_per_cell
+        # The decoding limit of this machine: the same epoch from local disk, no network.
+        from bench_loader import run_child
+
+        results["local_loader"] = run_child(sys.executable, "deltacells", str(local), 4096, {})
+        results["local_loader"]["vs_bandwidth_bound"] = (
+            results["local_loader"]["cells_per_s"] / results["bandwidth_bound_cells_per_s"])
+        print("local loader", json.dumps(results["local_loader"]), flush=True)
         with MotoS3() as s3:
             t = time.perf_counter()
             url = s3.upload("stacked.dc", local)
@@ -116,20 +123,29 @@ def main() -> None:
                             total=args.bandwidth) as proxy:  # fmt: skip
                 options = {**s3.options, "client_kwargs": {"endpoint_url": proxy.endpoint}}
                 runs = {}
+                # Each epoch in a process of its own, as a trainer's would be: the servers
+                # here (moto and the proxy are Python threads of this process) do not share
+                # its interpreter lock, and their CPU time is measured apart from the loader's.
                 for label, ahead, client in (("loader_defaults", None, "fsspec"),
                                              ("loader_defaults_obstore", None, "obstore"),
                                              ("loader_one_tile_at_a_time", 0, "fsspec")):
-                    loader = dc.Loader(url, batch_size=4096, seed=0, prefetch_tiles=ahead,
-                                       storage_options={**options, "client": client})
-
-                    def epoch(loader=loader) -> int:
-                        return sum(batch.X.shape[0] for batch in loader)
-
-                    runs[label] = measure(proxy, epoch)
-                    runs[label]["prefetch_tiles"] = loader.prefetch_tiles
-                    runs[label]["vs_bandwidth_bound"] = (
-                        runs[label]["cells_per_s"] / results["bandwidth_bound_cells_per_s"])
-                    print(label, json.dumps(runs[label]))
+                    bytes0, requests0 = proxy.bytes_sent, proxy.requests
+                    servers0 = time.process_time()
+                    row = run_child(sys.executable, "deltacells", url, 4096, {
+                        "storage_options": {**options, "client": client},
+                        "prefetch_tiles": ahead})  # fmt: skip
+                    row.update(
+                        s=row["seconds"], bytes=proxy.bytes_sent - bytes0,
+                        requests=proxy.requests - requests0,
+                        # the servers' CPU over the child's whole life (start-up included)
+                        servers_cpu_s=time.process_time() - servers0,
+                        loader_cpu_s=row["cpu_s"],
+                        prefetch_tiles=ahead if ahead is not None else "default",
+                        vs_bandwidth_bound=row["cells_per_s"]
+                        / results["bandwidth_bound_cells_per_s"],
+                    )  # fmt: skip
+                    runs[label] = row
+                    print(label, json.dumps(row), flush=True)
                 rng = np.random.default_rng(0)
                 for label, where, ranged in (
                     ("random_4096_whole_tiles", url, False),
@@ -178,12 +194,18 @@ def table(results: dict) -> None:
         f"{results.get('uncapped_bytes_per_s_obstore', float('nan')) / 1e6:.0f} MB/s to "
         "obstore.",
         "",
-        "| run | cells/s | x bound | bytes | requests |",
-        "|---|---|---|---|---|",
+        "| run | cells/s | x bound | bytes | requests | CPU s: servers / loader |",
+        "|---|---|---|---|---|---|",
     ]
+    local = results.get("local_loader")
+    if local:
+        lines.append(f"| loader from local disk (no network) | {local['cells_per_s']:,.0f} | "
+                     f"{local['cells_per_s'] / bound:.2f} | | | |")  # fmt: skip
     for name, row in results["runs"].items():
+        cpu = (f"{row['servers_cpu_s']:.0f} / {row['loader_cpu_s']:.0f} (in {row['s']:.0f} s)"
+               if "servers_cpu_s" in row else "")  # fmt: skip
         lines.append(f"| {name} | {row['cells_per_s']:,.0f} | {row['cells_per_s'] / bound:.2f} | "
-                     f"{row['bytes'] / 1e6:,.0f} MB | {row['requests']:,} |")  # fmt: skip
+                     f"{row['bytes'] / 1e6:,.0f} MB | {row['requests']:,} | {cpu} |")  # fmt: skip
     peers = results.get("peers")
     if peers:
         lines += [
