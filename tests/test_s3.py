@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import socket
 from pathlib import Path
 
@@ -347,8 +348,15 @@ def test_obstore_client_errors(s3, proxied, monkeypatch):
         Store(url, with_obstore({**options, "config_kwargz": {}}))
     with pytest.raises(ValueError, match="client must be one of"):
         Store(url, {**options, "client": "boto"})
+    with pytest.raises(ValueError, match="not http://"):
+        Store("http://127.0.0.1:9/d", {"client": "obstore"})
     monkeypatch.setenv("DELTACELLS_CLIENT", "obstore")
-    assert Store(url, options).client == "obstore"
+    chosen = Store(url, options)
+    assert chosen.client == "obstore"
+    monkeypatch.delenv("DELTACELLS_CLIENT")
+    # A pickled store (a dask task's) keeps the client the environment chose.
+    assert pickle.loads(pickle.dumps(chosen)).client == "obstore"
+    assert Store(url, options).client == "fsspec"
     url, through, _, proxy = proxied
     proxy.clear()
     proxy.add(Fault(match="manifest.json", status=500, count=2))

@@ -3,7 +3,7 @@
 Local paths use the file system directly (``pread``-style reads, temporary file + rename for
 atomic writes). Everything else goes through fsspec (``s3://``, ``gs://``, ``memory://``, ...);
 there an object appears whole when its single PUT completes, which is what atomic means on
-object stores. For ``s3://``, ``gs://``, ``az://`` and ``http(s)://`` the client can be
+object stores. For ``s3://``, ``gs://`` and ``az://`` the client can be
 obstore's (Rust, ``pip install obstore``) instead of fsspec's own (s3fs, gcsfs, ...): pass
 ``storage_options={"client": "obstore", ...}`` or set ``$DELTACELLS_CLIENT=obstore``.
 """
@@ -155,7 +155,7 @@ def _with_client_timeouts(url: str, options: dict, timeout: float) -> dict:
 #: Object-store clients a :class:`Store` can use for URLs (see the module docstring).
 CLIENTS = ("fsspec", "obstore")
 _OBSTORE_PROTOCOLS = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs", "az": "az",
-                      "abfs": "az", "abfss": "az", "http": "http", "https": "https"}  # fmt: skip
+                      "abfs": "az", "abfss": "az"}  # fmt: skip
 #: s3fs options obstore has no use for (deltacells' own timeouts and retries apply).
 _S3FS_ONLY = ("skip_instance_cache", "use_listings_cache", "config_kwargs", "default_block_size",
               "default_fill_cache", "asynchronous", "loop")  # fmt: skip
@@ -231,7 +231,7 @@ class Store:
         A local directory, a ``file://`` URL or an fsspec URL.
     storage_options
         Passed to fsspec for URLs (credentials, endpoint, ...). ``"client": "obstore"`` reads
-        ``s3://``, ``gs://``, ``az://`` and ``http(s)://`` URLs with obstore instead (the
+        ``s3://``, ``gs://`` and ``az://`` URLs with obstore instead (the
         s3fs-style ``key``, ``secret``, ``token``, ``anon`` and ``endpoint_url`` are
         translated; obstore's own ``config``, ``client_options`` and ``retry_config`` are
         passed on); ``$DELTACELLS_CLIENT`` sets the default.
@@ -299,6 +299,9 @@ class Store:
             self._fs: Any = None
         else:
             self.client, options = _pop_client(root, self.storage_options)
+            if self.client != "fsspec":
+                # Chosen by the environment: pickles (dask workers) keep the same client.
+                self.storage_options["client"] = self.client
             if self.client == "obstore":
                 self._fs = _obstore_filesystem(root, options, self.timeout)
                 self._root_path = root.split("://", 1)[1].rstrip("/")
