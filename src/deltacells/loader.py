@@ -295,7 +295,8 @@ class Loader:
         it decodes far more per cell), ``"none"`` (stored order). ``True`` / ``False`` mean
         ``"tiles"`` / ``"none"``.
     seed
-        Seed of the epoch plans; epoch ``n`` uses ``(seed, n)``.
+        Seed of the epoch plans; epoch ``n`` uses ``(seed, n)`` (the exact generators are in
+        :class:`EpochPlan`), so every rank and worker derives the same plan.
     buffer_tiles
         Tiles whose cells are mixed together in ``"tiles"`` mode (default 2: 8,192 cells with
         the default tile size, as many as annbatch's default preload). Decoded tiles are dropped as
