@@ -296,7 +296,7 @@ class Loader:
         ``"tiles"`` / ``"none"``.
     seed
         Seed of the epoch plans; epoch ``n`` uses ``(seed, n)`` (the exact generators are in
-        :class:`EpochPlan`), so every rank and worker derives the same plan.
+        :class:`~deltacells.loader.EpochPlan`), so every rank and worker derives the same plan.
     buffer_tiles
         Tiles whose cells are mixed together in ``"tiles"`` mode (default 2: 8,192 cells with
         the default tile size, as many as annbatch's default preload). Decoded tiles are dropped as
