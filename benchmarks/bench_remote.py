@@ -69,7 +69,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results" / "remote.json")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--from-json", type=Path, help="only redraw the plot and table")
+    parser.add_argument("--sweep-cells", type=int, default=200_000)
+    parser.add_argument("--sweep-only", action="store_true",
+                        help="add the latency / bandwidth sweep to the --out JSON")  # fmt: skip
     args = parser.parse_args()
+    if args.sweep_only:
+        saved = json.loads(args.out.read_text())
+        saved["sweep"] = sweep(args)
+        args.out.write_text(json.dumps(saved, indent=1))
+        plot(saved)
+        table(saved)
+        return
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
         plot(saved)
@@ -268,20 +278,70 @@ def peers(args, workdir: Path) -> dict:
     return out
 
 
+def sweep(args) -> dict:
+    """Loader epochs (defaults) over ``--sweep-cells`` cells at several latencies (at
+    ``--bandwidth``) and bandwidths (at ``--latency``), each in its own process."""
+    from bench_loader import run_child
+
+    out: dict = {"n_cells": args.sweep_cells, "latency": [], "bandwidth": []}
+    with tempfile.TemporaryDirectory(prefix="bench-remote-sweep-") as tmp:
+        local = Path(tmp) / "sweep.dc"
+        dc.write_deltacells(stacked_adata(DATA, args.sweep_cells), local, progress=False)
+        manifest = dc.open_dataset(local).manifest
+        out["bytes_per_cell"] = sum(manifest.tile_bytes) / manifest.n_cells
+        with MotoS3() as s3:
+            url = s3.upload("sweep.dc", local)
+            upstream = s3.endpoint.removeprefix("http://")
+            settings = [("latency", latency, args.bandwidth) for latency in SWEEP_LATENCIES] + [
+                ("bandwidth", args.latency, bandwidth) for bandwidth in SWEEP_BANDWIDTHS]
+            for axis, latency, bandwidth in settings:
+                with FaultProxy(upstream, latency=latency, per_connection=bandwidth,
+                                total=bandwidth) as proxy:  # fmt: skip
+                    options = {**s3.options, "client_kwargs": {"endpoint_url": proxy.endpoint}}
+                    row = run_child(sys.executable, "deltacells", url, 4096,
+                                    {"storage_options": options})  # fmt: skip
+                row.update(latency_s=latency, bandwidth_bytes_per_s=bandwidth,
+                           bound_cells_per_s=bandwidth / out["bytes_per_cell"])  # fmt: skip
+                out[axis].append(row)
+                print("sweep", axis, latency, bandwidth, f"{row['cells_per_s']:,.0f}", flush=True)
+    return out
+
+
+#: The sweep's settings: latencies at the default bandwidth, bandwidths at the default latency.
+SWEEP_LATENCIES = (0.005, 0.02, 0.05, 0.1, 0.2)
+SWEEP_BANDWIDTHS = (25e6, 50e6, 150e6, 400e6)
+
+
 def plot(results: dict) -> None:
-    fig, (ax,) = page_figure(1, panel_height=3.4)
+    swept = results.get("sweep")
+    fig, axes = page_figure(3 if swept else 1, panel_height=3.0)
+    ax = axes[0]
     runs = results["runs"]
     names = list(runs)
     ax.barh(names, [runs[n]["cells_per_s"] for n in names], color="tab:blue")
     ax.axvline(results["bandwidth_bound_cells_per_s"], color="k", linestyle="--",
                label="bandwidth bound")  # fmt: skip
+    if "local_loader" in results:
+        ax.axvline(results["local_loader"]["cells_per_s"], color="tab:red", linestyle=":",
+                   label="loader from local disk")  # fmt: skip
     ax.set_xscale("log")
     ax.set_xlabel("cells / s (log)")
-    ax.legend()
+    ax.set_title(f"{results['n_cells']:,} cells at {results['latency_s'] * 1e3:.0f} ms, "
+                 f"{results['bandwidth_bytes_per_s'] / 1e6:.0f} MB/s", fontsize=9)  # fmt: skip
+    ax.legend(fontsize=7)
+    if swept:
+        for ax, axis, scale, unit in ((axes[1], "latency", 1e3, "latency to first byte (ms)"),
+                                      (axes[2], "bandwidth", 1e-6, "bandwidth (MB/s)")):
+            rows = swept[axis]
+            key = "latency_s" if axis == "latency" else "bandwidth_bytes_per_s"
+            xs = [row[key] * scale for row in rows]
+            ax.plot(xs, [row["cells_per_s"] for row in rows], marker="o", label="Loader")
+            ax.plot(xs, [row["bound_cells_per_s"] for row in rows], "k--",
+                    label="bandwidth bound")  # fmt: skip
+            ax.set(xscale="log", xlabel=unit, ylabel="cells / s")
+            ax.legend(fontsize=7)
     save_figure(fig, ROOT / "docs" / "_static" / "bench_remote.png",
-                f"{results['n_cells']:,} cells through S3 (moto) at "
-                f"{results['latency_s'] * 1e3:.0f} ms, "
-                f"{results['bandwidth_bytes_per_s'] / 1e6:.0f} MB/s", results)  # fmt: skip
+                "Loader through S3 (moto) behind an emulated network", results)  # fmt: skip
 
 
 if __name__ == "__main__":
