@@ -231,6 +231,22 @@ def table(results: dict) -> None:
                 lines.append(f"| {name} | {row['cells_per_s']:,.0f} | "
                              f"{row['bytes_per_cell']:,.0f} | {row['requests']:,} | "
                              f"{row['peak_rss_mb']:,.0f} MB |")  # fmt: skip
+    swept = results.get("sweep")
+    if swept:
+        lines += [
+            "",
+            f"Loader epochs over {swept['n_cells']:,} cells, one setting changed at a time "
+            "(tiles in flight: two runs each):",
+            "",
+            "| latency | bandwidth | tiles in flight | cells/s | x bound |",
+            "|---|---|---|---|---|",
+        ]
+        for axis in ("latency", "bandwidth", "prefetch_tiles"):
+            for row in swept.get(axis, []):
+                lines.append(f"| {row['latency_s'] * 1e3:.0f} ms | "
+                             f"{row['bandwidth_bytes_per_s'] / 1e6:.0f} MB/s | "
+                             f"{row['prefetch_tiles']} | {row['cells_per_s']:,.0f} | "
+                             f"{row['cells_per_s'] / row['bound_cells_per_s']:.2f} |")  # fmt: skip
     (ROOT / "docs" / "_static" / "bench_remote.md").write_text("\n".join(lines) + "\n")
 
 
@@ -283,7 +299,8 @@ def sweep(args) -> dict:
     ``--bandwidth``) and bandwidths (at ``--latency``), each in its own process."""
     from bench_loader import run_child
 
-    out: dict = {"n_cells": args.sweep_cells, "latency": [], "bandwidth": []}
+    out: dict = {"n_cells": args.sweep_cells, "latency": [], "bandwidth": [],
+                 "prefetch_tiles": []}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-remote-sweep-") as tmp:
         local = Path(tmp) / "sweep.dc"
         dc.write_deltacells(stacked_adata(DATA, args.sweep_cells), local, progress=False)
@@ -292,15 +309,21 @@ def sweep(args) -> dict:
         with MotoS3() as s3:
             url = s3.upload("sweep.dc", local)
             upstream = s3.endpoint.removeprefix("http://")
-            settings = [("latency", latency, args.bandwidth) for latency in SWEEP_LATENCIES] + [
-                ("bandwidth", args.latency, bandwidth) for bandwidth in SWEEP_BANDWIDTHS]
-            for axis, latency, bandwidth in settings:
+            settings = (
+                [("latency", latency, args.bandwidth, None) for latency in SWEEP_LATENCIES]
+                + [("bandwidth", args.latency, bw, None) for bw in SWEEP_BANDWIDTHS]
+                # how many tiles in flight the default needs (8: see Loader's prefetch_tiles)
+                + [("prefetch_tiles", args.latency, args.bandwidth, ahead)
+                   for ahead in SWEEP_PREFETCH for _ in range(2)]
+            )  # fmt: skip
+            for axis, latency, bandwidth, ahead in settings:
                 with FaultProxy(upstream, latency=latency, per_connection=bandwidth,
                                 total=bandwidth) as proxy:  # fmt: skip
                     options = {**s3.options, "client_kwargs": {"endpoint_url": proxy.endpoint}}
                     row = run_child(sys.executable, "deltacells", url, 4096,
-                                    {"storage_options": options})  # fmt: skip
+                                    {"storage_options": options, "prefetch_tiles": ahead})
                 row.update(latency_s=latency, bandwidth_bytes_per_s=bandwidth,
+                           prefetch_tiles=ahead if ahead is not None else "default",
                            bound_cells_per_s=bandwidth / out["bytes_per_cell"])  # fmt: skip
                 out[axis].append(row)
                 print("sweep", axis, latency, bandwidth, f"{row['cells_per_s']:,.0f}", flush=True)
@@ -310,6 +333,7 @@ def sweep(args) -> dict:
 #: The sweep's settings: latencies at the default bandwidth, bandwidths at the default latency.
 SWEEP_LATENCIES = (0.005, 0.02, 0.05, 0.1, 0.2)
 SWEEP_BANDWIDTHS = (25e6, 50e6, 150e6, 400e6)
+SWEEP_PREFETCH = (2, 4, 8, 16, 32)
 
 
 def plot(results: dict) -> None:

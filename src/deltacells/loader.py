@@ -333,9 +333,9 @@ class Loader:
     prefetch_tiles
         Tiles fetched ahead, in the order the epoch first needs them, while earlier ones
         decode. ``None``: :data:`.REMOTE_TILES_IN_FLIGHT` for remote stores (enough requests in
-        flight to cover latency x bandwidth: 8 tiles of ~3 MB are 24 MB, over three times
-        what a 50 ms, 150 MB/s link holds in flight), 0 for local files (reading them is
-        quick next to decoding).
+        flight to cover latency x bandwidth: 16 tiles of ~2.7 MB are 43 MB, more than a
+        200 ms, 150 MB/s link holds in flight; ``benchmarks/bench_remote.py`` sweeps it),
+        0 for local files (reading them is quick next to decoding).
     tile_cache_bytes
         Most bytes of compressed tiles kept in ``"cells"`` mode (every batch reads every tile).
     n_threads
@@ -568,7 +568,9 @@ class Loader:
 
 
 #: Tiles a loader keeps in flight on remote stores by default (see ``prefetch_tiles``).
-REMOTE_TILES_IN_FLIGHT = 8
+#: Measured at 150 MB/s: 8 reach the plateau at 50 ms, 200 ms needs 16 (and as many
+#: connections: :data:`deltacells.storage.REMOTE_IO_THREADS`).
+REMOTE_TILES_IN_FLIGHT = 16
 
 
 class _BatchBuilder:

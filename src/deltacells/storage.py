@@ -127,8 +127,9 @@ def _renameat2_exchange(a: str, b: str) -> bool:
 
 
 def _with_client_timeouts(url: str, options: dict, timeout: float) -> dict:
-    """``options`` plus connect/read timeouts for the clients that take them (s3fs, fsspec's
-    HTTP), unless already set: a request abandoned by :func:`_call_with_timeout` then also
+    """``options`` plus connect/read timeouts (and, for s3fs, a connection pool as large as
+    the store's I/O threads) for the clients that take them (s3fs, fsspec's HTTP), unless
+    already set: a request abandoned by :func:`_call_with_timeout` then also
     ends in its own thread instead of waiting minutes for the server. They are twice the
     store's own, so the store's fires first and a client that turns its own timeout into a
     quiet answer (fsspec's HTTP ``exists`` says False) is not believed."""
@@ -139,6 +140,9 @@ def _with_client_timeouts(url: str, options: dict, timeout: float) -> dict:
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("connect_timeout", timeout)
         config.setdefault("read_timeout", timeout)
+        # botocore keeps 10 connections by default, fewer than the requests a loader keeps in
+        # flight on a long, fast link.
+        config.setdefault("max_pool_connections", REMOTE_IO_THREADS)
         options["config_kwargs"] = config
     elif protocol in ("http", "https"):
         client = dict(options.get("client_kwargs") or {})
@@ -151,6 +155,11 @@ def _with_client_timeouts(url: str, options: dict, timeout: float) -> dict:
         options["client_kwargs"] = client
     return options
 
+
+#: Background I/O threads of a store (``io_threads=None``): remote requests mostly wait, so
+#: more of them cover a long latency at a high bandwidth; local reads need few.
+REMOTE_IO_THREADS = 32
+LOCAL_IO_THREADS = 8
 
 #: Object-store clients a :class:`Store` can use for URLs (see the module docstring).
 CLIENTS = ("fsspec", "obstore")
@@ -239,7 +248,8 @@ class Store:
         Transient read failures are retried this many times, waiting ``backoff`` seconds and
         doubling each time.
     io_threads
-        Threads for background prefetching.
+        Threads for background prefetching (default :data:`.REMOTE_IO_THREADS` for URLs,
+        :data:`.LOCAL_IO_THREADS` for local directories).
     timeout
         Remote stores: seconds one request may take before it is abandoned and retried
         (default :data:`DEFAULT_TIMEOUT`, or ``$DELTACELLS_TIMEOUT``). Also passed to s3fs and
@@ -268,7 +278,7 @@ class Store:
         *,
         retries: int = 4,
         backoff: float = 0.05,
-        io_threads: int = 8,
+        io_threads: int | None = None,
         timeout: float | None = None,
         deadline: float | None = None,
         follow_external_links: bool = False,
@@ -276,7 +286,12 @@ class Store:
         root = os.fspath(root)
         self.url = root
         self.storage_options = dict(storage_options or {})
-        self.retries, self.backoff, self.io_threads = retries, backoff, io_threads
+        self.retries, self.backoff = retries, backoff
+        remote = _is_url(root)
+        # Requests in flight are bounded by the callers (the loader's prefetch_tiles, ...);
+        # remote ones wait on latency, so enough threads to cover latency x bandwidth.
+        self.io_threads = io_threads if io_threads is not None else (
+            REMOTE_IO_THREADS if remote else LOCAL_IO_THREADS)  # fmt: skip
         self.timeout = _env_seconds("DELTACELLS_TIMEOUT", DEFAULT_TIMEOUT) if timeout is None \
             else float(timeout)  # fmt: skip
         self.deadline = _env_seconds("DELTACELLS_DEADLINE", DEFAULT_DEADLINE) \
