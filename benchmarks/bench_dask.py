@@ -82,7 +82,8 @@ def main() -> None:
     results: dict = {"machine": machine(), "command": " ".join(["python", *sys.argv]),
                      "n_cells": args.cells, "repeats": args.repeats}  # fmt: skip
     try:
-        assert server.stdout.readline().strip() == "ready"
+        while (line := server.stdout.readline()) and line.strip() != "ready":
+            pass  # moto announces itself first
         endpoint = f"http://127.0.0.1:{port}"
         s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
                           aws_access_key_id="x", aws_secret_access_key="x")  # fmt: skip
