@@ -363,6 +363,8 @@ def plot(results: dict) -> None:
             ax.plot(xs, [row["bound_cells_per_s"] for row in rows], "k--",
                     label="bandwidth bound")  # fmt: skip
             ax.set(xscale="log", xlabel=unit, ylabel="cells / s")
+            ax.set_xticks(xs, [f"{x:g}" for x in xs])
+            ax.minorticks_off()
             ax.legend(fontsize=7)
     save_figure(fig, ROOT / "docs" / "_static" / "bench_remote.png",
                 "Loader through S3 (moto) behind an emulated network", results)  # fmt: skip
