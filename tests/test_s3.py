@@ -368,3 +368,24 @@ def test_obstore_client_errors(s3, proxied, monkeypatch):
             dc.open_dataset(url, storage_options=with_obstore(through), deadline=2)
     finally:
         proxy.clear()
+
+
+def test_obstore_client_refuses_tiles_of_the_wrong_size(s3):
+    """Through obstore too, a tile longer, shorter or empty against the manifest is a
+    FormatError naming it (an empty object answers a ranged GET with 416)."""
+    _, options, _, client = s3
+    source = {"Bucket": "cells", "Key": "data/d/manifest.json"}
+    client.copy_object(Bucket="cells", Key="sized2/d/manifest.json", CopySource=source)
+    tiles = [client.get_object(Bucket="cells", Key=f"data/d/tiles/tile_00000{i}.dct")["Body"]
+             .read() for i in range(3)]  # fmt: skip
+    bodies = [tiles[0] + bytes(64), tiles[1][:-8], b""]
+    for i, body in enumerate(bodies):
+        client.put_object(Bucket="cells", Key=f"sized2/d/tiles/tile_00000{i}.dct", Body=body)
+    dataset = dc.open_dataset("s3://cells/sized2/d", storage_options=with_obstore(options))
+    size = dataset.manifest.tile_bytes[0]
+    with pytest.raises(dc.FormatError, match=rf"tile_000000\.dct: more than {size} bytes"):
+        dataset.tile(0)
+    with pytest.raises(dc.FormatError, match=r"tile_000001\.dct: \d+ bytes, the manifest says"):
+        dataset.tile(1)
+    with pytest.raises(dc.FormatError, match=r"tile_000002\.dct: 0 bytes, the manifest says"):
+        dataset.tile(2)
