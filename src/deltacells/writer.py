@@ -204,17 +204,27 @@ def _reader_for(matrix: Any) -> _RowReader:
 
 @dataclass
 class _Part:
-    """One input (file or AnnData): its counts reader, obs and var."""
+    """One input (file or AnnData): its counts reader, obs and var.
+
+    For files, ``var`` holds the gene names only and ``read_var`` reads the whole table when
+    the output's var table is built: an atlas of many files never holds all their gene tables
+    at once.
+    """
 
     label: str
     reader: _RowReader
     obs: pd.DataFrame
     var: pd.DataFrame
     closers: list[Callable[[], None]] = field(default_factory=list)
+    read_var: Callable[[], pd.DataFrame] | None = None
 
     @property
     def n_obs(self) -> int:
         return len(self.obs)
+
+    def full_var(self) -> pd.DataFrame:
+        """The whole var table (read now for files)."""
+        return self.read_var() if self.read_var is not None else self.var
 
     def close(self) -> None:
         self.reader.close()
@@ -271,21 +281,37 @@ def _part_from_path(path: Path, layer: str | None, use_raw: bool, tables: bool =
 
             if not has_raw(group):
                 raise ValueError(f"{path}: use_raw=True but the file has no raw")
-            elem, var = group["raw"]["X"], table(group["raw"]["var"])
+            elem, var_elem = group["raw"]["X"], group["raw"]["var"]
         elif layer is not None:
             if "layers" not in group or layer not in group["layers"]:
                 raise KeyError(f"{path}: layer {layer!r} not found")
-            elem, var = group["layers"][layer], table(group["var"])
+            elem, var_elem = group["layers"][layer], group["var"]
         else:
-            elem, var = group["X"], table(group["var"])
+            elem, var_elem = group["X"], group["var"]
+        names = _var_names_only(var_elem) if tables else None
+        var = table(var_elem) if names is None else names
         obs = table(group["obs"])
         encoding = dict(elem.attrs).get("encoding-type", "")
         matrix = ad.io.sparse_dataset(elem) if "matrix" in str(encoding) else elem
-        return _Part(str(path), _reader_for(matrix), obs, var, closers)
+        read_var = (lambda: ad.io.read_elem(var_elem)) if names is not None else None
+        return _Part(str(path), _reader_for(matrix), obs, var, closers, read_var)
     except BaseException:
         for close in closers:
             close()
         raise
+
+
+def _var_names_only(elem) -> pd.DataFrame | None:
+    """A var table of the gene names alone, indexed as anndata's reader indexes the whole
+    table; None for encodings other than anndata's dataframe (read whole then)."""
+    attrs = dict(elem.attrs)
+    key = attrs.get("_index")
+    if attrs.get("encoding-type") != "dataframe" or not isinstance(key, str) or key not in elem:
+        return None
+    frame = pd.DataFrame(index=ad.io.read_elem(elem[key]))
+    if key != "_index":
+        frame.index.name = key
+    return frame
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,9 +341,13 @@ def _align_genes(parts: list[_Part], join: str) -> tuple[pd.Index, list[np.ndarr
     else:
         raise ValueError(f"join must be one of {JOINS}, not {join!r}")
     maps = [names.get_indexer(part.var.index).astype(np.int64) for part in parts]
-    var = pd.concat([p.var for p in parts]) if len(parts) > 1 else parts[0].var
-    var = var[~var.index.duplicated(keep="first")].reindex(names)
-    return names, maps, var
+    # Each gene's row from the first input that has it (columns and dtypes as one
+    # concatenation of all the tables gives), read one table at a time.
+    var = parts[0].full_var()
+    for part in parts[1:]:
+        var = pd.concat([var, part.full_var()])
+        var = var[~var.index.duplicated(keep="first")]
+    return names, maps, var.reindex(names)
 
 
 def _resolve_gene_order(gene_order: Any, totals: np.ndarray) -> np.ndarray | None:
