@@ -252,6 +252,36 @@ def test_list_of_files_matches_anndata_concat(tmp_path, join):
     assert obs["score"].isna().sum() >= 90 and obs["extra"].isna().sum() == 150
 
 
+@pytest.mark.parametrize("join", ["inner", "outer"])
+def test_var_table_of_many_files_is_each_genes_first_row(tmp_path, join):
+    """The inputs keep their gene names only while the write plans; the var table is each
+    output gene's row from the first file that has it, with every file's columns (what one
+    concatenation of all the tables gives), read one table at a time."""
+    from deltacells.writer import _open_part
+
+    frames = []
+    for i in range(3):
+        adata = small_adata(n_cells=40, n_genes=30, seed=i)
+        adata.var_names = [f"g{(k + 7 * i) % 45}" for k in range(30)]
+        adata.var["rank"] = np.arange(30) + 100 * i
+        if i == 1:
+            adata.var["flag"] = np.arange(30) % 2 == 0
+        adata.obs_names = [f"f{i}-{k}" for k in range(40)]
+        adata.write_h5ad(tmp_path / f"{i}.h5ad")
+        frames.append(adata.var)
+    part = _open_part(tmp_path / "1.h5ad", None, False)
+    try:
+        assert part.var.columns.empty and list(part.full_var().columns) == list(frames[1].columns)
+    finally:
+        part.close()
+    dc.write_deltacells([tmp_path / f"{i}.h5ad" for i in range(3)], tmp_path / "d", join=join,
+                        tile_size=64, progress=False)  # fmt: skip
+    back = dc.read_deltacells(tmp_path / "d", elements=False).var
+    everything = pd.concat(frames)
+    expected = everything[~everything.index.duplicated(keep="first")].reindex(back.index)
+    pd.testing.assert_frame_equal(back, expected, check_dtype=False)
+
+
 def test_same_join_refuses_different_genes(tmp_path):
     a, b = small_adata(seed=1), small_adata(seed=2)[:, 5:].copy()
     with pytest.raises(ValueError, match="genes differ"):
