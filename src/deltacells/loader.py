@@ -51,8 +51,8 @@ class EpochPlan:
     """An epoch's order of cells, made one buffer at a time.
 
     Its memory grows with the number of tiles, not of cells: a buffer's shuffled cells are
-    drawn when a batch first asks for them (from ``(seed, epoch, buffer)``), so opening an
-    epoch over 100M cells costs the same as over 100k. ``shuffle="cells"`` is the exception:
+    drawn when a batch first asks for them (from ``(seed, epoch, buffer)``), so an epoch over
+    100M cells is planned in a few MB, as one over 100k. ``shuffle="cells"`` is the exception:
     it holds one permutation of all cells (8 bytes per cell).
 
     Seeds: the tile order of epoch ``e`` comes from ``numpy.random.default_rng([seed, e, 0])``
