@@ -1231,8 +1231,9 @@ def _columns(records: list) -> tuple[list, list, list, list]:
 
 @contextlib.contextmanager
 def _local_client(n_workers: int):
-    """A dask.distributed ``LocalCluster`` of ``n_workers`` processes (one thread each: the
-    kernels parallelise inside a tile) and its client, for one write."""
+    """A dask.distributed ``LocalCluster`` of ``n_workers`` processes and its client, for one
+    write. One thread each: distributed starts workers with ``OMP_NUM_THREADS=1``, so their
+    kernels run on one thread too, and the workers are the parallelism."""
     try:
         from distributed import Client, LocalCluster
     except ImportError as err:  # pragma: no cover - exercised without the extra
