@@ -128,10 +128,15 @@ class MotoS3:
         self.bucket = bucket
 
     def __enter__(self) -> MotoS3:
+        import logging
         import socket
 
         import boto3
         from moto.server import ThreadedMotoServer
+
+        # werkzeug logs every request to stderr: server CPU a real object store does not take
+        # from the reader's machine.
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
