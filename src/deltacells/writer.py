@@ -523,13 +523,12 @@ def _check_and_total(
     blocks = _iter_blocks(parts, block_size)
     n_blocks = sum(-(-part.n_obs // block_size) for part in parts)
     for p, start, stop, block in progress(blocks, total=n_blocks, desc="checking counts"):
-        part = parts[p]
         try:
-            indptr, indices, data, shape = canonical_csr(block)
+            (indptr, indices, data, shape), part_totals, allowed = _checked_block(block,
+                                                                                  block_size)
         except CountError as err:
-            raise _count_error(part, err.problem, start + err.cell, err.gene) from None
-        fitting = min(fitting, _cells_per_tile_for_exceptions(indptr, data, block_size))
-        part_totals = np.bincount(indices, weights=data, minlength=shape[1])
+            raise _count_error(parts[p], err.problem, start + err.cell, err.gene) from None
+        fitting = min(fitting, allowed)
         mapped = col_maps[p]
         keep = mapped >= 0
         totals[mapped[keep]] += part_totals[keep]  # mapped columns are distinct
@@ -541,6 +540,16 @@ def _check_and_total(
                 cache.clear()
                 budget = 0
     return totals, fitting
+
+
+def _checked_block(block: Any, block_size: int) -> tuple[tuple, np.ndarray, int]:
+    """One block of an input, checked and made canonical (a CountError names the block's own
+    row): its CSR parts, its gene totals (the input's own genes) and the most cells per tile
+    its counts above 65535 allow. Both first passes (here and on dask) check with it."""
+    indptr, indices, data, shape = canonical_csr(block)
+    totals = np.bincount(indices, weights=data, minlength=shape[1])
+    return (indptr, indices, data, shape), totals, _cells_per_tile_for_exceptions(
+        indptr, data, block_size)  # fmt: skip
 
 
 def _count_error(part: _Part, problem: str, cell: int, gene: int) -> CountError:
@@ -564,11 +573,10 @@ def _check_task(item: Any, layer, use_raw, start: int, stop: int, block_size: in
         for first in range(start, stop, block_size):
             block = part.reader.block(first, min(first + block_size, stop))
             try:
-                indptr, indices, data, shape = canonical_csr(block)
+                _, block_totals, allowed = _checked_block(block, block_size)
             except CountError as err:
                 return ("error", err.problem, first + err.cell, err.gene)
-            fitting = min(fitting, _cells_per_tile_for_exceptions(indptr, data, block_size))
-            block_totals = np.bincount(indices, weights=data, minlength=shape[1])
+            fitting = min(fitting, allowed)
             totals = block_totals if totals is None else totals + block_totals
         return ("ok", totals, fitting)
     finally:
@@ -863,9 +871,9 @@ def write_deltacells(
         ``client``, on its cluster; else with ``n_workers > 1``, on a ``LocalCluster`` of that
         many worker processes started for this write. Each task opens the input files on its
         worker (in-memory AnnData are scattered once) and writes its tiles to ``path``, which
-        all workers must reach (a shared directory or an object store). The first pass
-        (checks, gene totals) and the manifest stay in this process. 1 and no client: encode
-        here.
+        all workers must reach (a shared directory or an object store). When every input is a
+        file, the first pass (checks, gene totals) runs as tasks too; obs, the var table and
+        the manifest are written by this process. 1 and no client: everything here.
     overwrite
         Replace an existing dataset at ``path``.
     progress
