@@ -191,26 +191,25 @@ def split_batches(
     ``drop_last``), and a rank's batches into contiguous runs for ``worker = (id, count)``,
     the first runs one batch longer when they do not divide.
     """
-    n = len(order)
-    if drop_last:
-        length = n // world_size
-    else:
-        length = -(-n // world_size)
-        if length * world_size > n and n:
-            order = np.concatenate([order, np.resize(order, length * world_size - n)])
-    part = order[rank * length : (rank + 1) * length]
-    batches = [part[i : i + batch_size] for i in range(0, len(part), batch_size)]
-    if drop_last and batches and len(batches[-1]) < batch_size:
-        batches.pop()
-    worker_id, n_workers = worker
-    base, extra = divmod(len(batches), n_workers)
-    first = worker_id * base + min(worker_id, extra)
-    return batches[first : first + base + (worker_id < extra)]
+    runs = BatchRuns(_GivenOrder(np.asarray(order)), batch_size, rank=rank,
+                     world_size=world_size, worker=worker, drop_last=drop_last)  # fmt: skip
+    return [runs[i] for i in range(len(runs))]
+
+
+class _GivenOrder:
+    """An order of cells already in memory, read as :class:`BatchRuns` reads a plan."""
+
+    def __init__(self, order: np.ndarray) -> None:
+        self.order, self.n_cells = order, len(order)
+
+    def cells(self, start: int, stop: int) -> np.ndarray:
+        """Positions ``start:stop``, wrapping past the end (the padding of the ranks)."""
+        return self.order[np.arange(start, stop) % self.n_cells]
 
 
 class BatchRuns(Sequence):
-    """One rank's (and worker's) batches of an :class:`EpochPlan`, as :func:`split_batches`
-    cuts them, each drawn from the plan when asked for."""
+    """One rank's (and worker's) batches of an :class:`EpochPlan`, cut as
+    :func:`split_batches` documents, each drawn from the plan when asked for."""
 
     def __init__(self, plan: EpochPlan, batch_size: int, *, rank: int = 0, world_size: int = 1,
                  worker: tuple[int, int] = (0, 1), drop_last: bool = False) -> None:  # fmt: skip
