@@ -166,17 +166,16 @@ class RangedPlan:
                 self.groups[-1].append(i)
             else:
                 self.groups.append([i])
+        self._ranges = [(min(spans[j][4][0] for j in group), max(spans[j][4][1] for j in group))
+                        for group in self.groups]  # fmt: skip
 
     def requests(self) -> list[tuple[int, tuple[int, int]]]:
         """``(key, (start, stop))`` byte ranges of the tile to fetch."""
-        return [(k, (min(self.spans[j][4][0] for j in group),
-                     max(self.spans[j][4][1] for j in group)))
-                for k, group in enumerate(self.groups)]  # fmt: skip
+        return list(enumerate(self._ranges))
 
     def fetch(self, key: int) -> bytes:
         """Request ``key`` (for callers running the requests of many tiles concurrently)."""
-        start, stop = self.requests()[key][1]
-        return self.tile._read(start, stop)
+        return self.tile._read(*self._ranges[key])
 
     def assemble(self, fetched: dict[int, bytes]) -> list[tuple[Tile, int]]:
         """The runs as small validated tiles, ``(tile, first_row)`` each, from the fetched
@@ -184,7 +183,7 @@ class RangedPlan:
         tile = self.tile
         h = tile.header
         where: dict[int, tuple[int, bytes]] = {}
-        for (k, (start, _)), group in zip(self.requests(), self.groups, strict=True):
+        for k, ((start, _), group) in enumerate(zip(self._ranges, self.groups, strict=True)):
             for j in group:
                 where[j] = (start, fetched[k])
         out = []
