@@ -171,6 +171,16 @@ def test_tile_of_the_wrong_size_over_s3(s3):
     assert dataset.tile(0).nnz == dataset.manifest.tile_nnz[0]
 
 
+def test_s3fs_connection_pool_matches_the_io_threads(s3):
+    """s3fs gets as many pooled connections as the store has I/O threads (botocore's default
+    of 10 would cap the requests in flight), unless the options set it."""
+    url, options, _, _ = s3
+    assert Store(url, options)._fs.config_kwargs["max_pool_connections"] == 32
+    assert Store(url, options, io_threads=48)._fs.config_kwargs["max_pool_connections"] == 48
+    mine = {**options, "config_kwargs": {"max_pool_connections": 5}}
+    assert Store(url, mine)._fs.config_kwargs["max_pool_connections"] == 5
+
+
 def test_store_pickles(s3):
     import pickle
 

@@ -126,7 +126,7 @@ def _renameat2_exchange(a: str, b: str) -> bool:
     raise OSError(code, os.strerror(code), a)
 
 
-def _with_client_timeouts(url: str, options: dict, timeout: float) -> dict:
+def _with_client_timeouts(url: str, options: dict, timeout: float, connections: int) -> dict:
     """``options`` plus connect/read timeouts (and, for s3fs, a connection pool as large as
     the store's I/O threads) for the clients that take them (s3fs, fsspec's HTTP), unless
     already set: a request abandoned by :func:`_call_with_timeout` then also
@@ -142,7 +142,7 @@ def _with_client_timeouts(url: str, options: dict, timeout: float) -> dict:
         config.setdefault("read_timeout", timeout)
         # botocore keeps 10 connections by default, fewer than the requests a loader keeps in
         # flight on a long, fast link.
-        config.setdefault("max_pool_connections", REMOTE_IO_THREADS)
+        config.setdefault("max_pool_connections", connections)
         options["config_kwargs"] = config
     elif protocol in ("http", "https"):
         client = dict(options.get("client_kwargs") or {})
@@ -326,7 +326,7 @@ class Store:
             else:
                 import fsspec
 
-                options = _with_client_timeouts(root, options, self.timeout)
+                options = _with_client_timeouts(root, options, self.timeout, self.io_threads)
                 self._fs, self._root_path = fsspec.core.url_to_fs(root, **options)
 
     # -- naming --------------------------------------------------------------------------------
