@@ -252,9 +252,9 @@ class DeltacellsCSRDataset(CSRDataset):
         tile_of = np.searchsorted(self._limits, ordered, side="right")
         # Tiles where the rows likely touch most chunks are read whole: one request instead
         # of a chain of three (header, indptr, frames) for about the same bytes.
-        tiles, per_tile = np.unique(tile_of, return_counts=True)
+        tiles, rows_per_tile = np.unique(tile_of, return_counts=True)
         chunks = max(m.n_chunks, 1)
-        likely_touched = 1.0 - (1.0 - 1.0 / chunks) ** per_tile
+        likely_touched = 1.0 - (1.0 - 1.0 / chunks) ** rows_per_tile
         whole = np.isin(tile_of, tiles[likely_touched > 0.5])
         if whole.all():
             return self._get_rows_whole(rows)
