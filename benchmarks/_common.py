@@ -42,13 +42,23 @@ def machine() -> dict:
     }
 
 
+def _status_mb(field: str) -> float:
+    """A memory field of /proc/self/status (``VmHWM``, ``VmRSS``) in MB."""
+    for line in open("/proc/self/status"):
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def peak_rss_mb() -> float:
     """This process's own peak RSS in MB: VmHWM, since getrusage's ru_maxrss carries the
     parent's peak across fork and exec on Linux."""
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    return _status_mb("VmHWM")
+
+
+def rss_mb() -> float:
+    """This process's resident memory now, in MB (VmRSS)."""
+    return _status_mb("VmRSS")
 
 
 def median_time(fn, repeats: int, *, warmup: bool = False) -> float:

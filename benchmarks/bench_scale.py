@@ -34,21 +34,13 @@ import tracemalloc
 from pathlib import Path
 
 import numpy as np
-from _common import machine, page_figure, save_figure, stacked_adata
+from _common import machine, page_figure, rss_mb, save_figure, stacked_adata
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
 BASE_TILES = 25
 TILE_SIZE = 4096
 BATCH = 4096
-
-
-def rss_mb() -> float:
-    """This process's resident memory now, in MB."""
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 class Step:
