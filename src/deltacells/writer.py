@@ -13,6 +13,7 @@ import io
 import os
 import re
 import tempfile
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,30 +207,49 @@ def _reader_for(matrix: Any) -> _RowReader:
 class _Part:
     """One input (file or AnnData): its counts reader, obs and var.
 
-    For files, ``var`` holds the gene names only and ``read_var`` reads the whole table when
-    the output's var table is built: an atlas of many files never holds all their gene tables
-    at once.
+    A file is open only while its counts are read: ``reader`` opens it on first use and
+    ``release`` closes it again (an atlas of thousands of files never holds them all open:
+    each open HDF5 file keeps caches of its own, and a process has a limited number of file
+    descriptors). A CSC file stays open once read, its transposed copy being costly to
+    remake. For files, ``var`` holds the gene names only until the genes are aligned, then
+    ``None``; ``full_var`` reads the whole table when the output's var table is built.
     """
 
     label: str
-    reader: _RowReader
+    n_obs: int
     obs: pd.DataFrame
-    var: pd.DataFrame
-    closers: list[Callable[[], None]] = field(default_factory=list)
+    var: pd.DataFrame | None
+    open_reader: Callable[[], tuple[_RowReader, list[Callable[[], None]]]]
     read_var: Callable[[], pd.DataFrame] | None = None
+    from_file: bool = False
+    _reader: _RowReader | None = None
+    _closers: list[Callable[[], None]] = field(default_factory=list)
 
     @property
-    def n_obs(self) -> int:
-        return len(self.obs)
+    def reader(self) -> _RowReader:
+        if self._reader is None:
+            self._reader, self._closers = self.open_reader()
+        return self._reader
+
+    @property
+    def in_memory(self) -> bool:
+        return not self.from_file and self.reader.in_memory
 
     def full_var(self) -> pd.DataFrame:
         """The whole var table (read now for files)."""
         return self.read_var() if self.read_var is not None else self.var
 
+    def release(self) -> None:
+        """Close a file input until its counts are needed again."""
+        if self.from_file and not isinstance(self._reader, _CscSpillReader):
+            self.close()
+
     def close(self) -> None:
-        self.reader.close()
-        for close in self.closers:
+        if self._reader is not None:
+            self._reader.close()
+        for close in self._closers:
             close()
+        self._reader, self._closers = None, []
 
 
 def _open_part(source: Any, layer: str | None, use_raw: bool, tables: bool = True) -> _Part:
@@ -256,49 +276,79 @@ def _part_from_anndata(adata: ad.AnnData, layer: str | None, use_raw: bool) -> _
         matrix, var = adata.X, adata.var
     if matrix is None:
         raise ValueError("the AnnData has no X")
-    return _Part(label, _reader_for(matrix), adata.obs, var)
+    reader = _reader_for(matrix)
+    return _Part(label, adata.n_obs, adata.obs, var, lambda: (reader, []), _reader=reader)
+
+
+def _open_group(path: Path) -> tuple[Any, list[Callable[[], None]]]:
+    """The root group of a .h5ad file or .zarr store, and how to close it."""
+    if path.suffix == ".zarr" or path.is_dir():
+        import zarr
+
+        return zarr.open_group(str(path), mode="r"), []
+    import h5py
+
+    group = h5py.File(path, "r")
+    return group, [group.close]
+
+
+def _elements(group: Any, path: Path, layer: str | None, use_raw: bool) -> tuple[Any, Any]:
+    """The counts element and its var group."""
+    if use_raw:
+        from deltacells._extras import has_raw
+
+        if not has_raw(group):
+            raise ValueError(f"{path}: use_raw=True but the file has no raw")
+        return group["raw"]["X"], group["raw"]["var"]
+    if layer is not None:
+        if "layers" not in group or layer not in group["layers"]:
+            raise KeyError(f"{path}: layer {layer!r} not found")
+        return group["layers"][layer], group["var"]
+    return group["X"], group["var"]
+
+
+def _matrix_of(elem: Any) -> Any:
+    encoding = dict(elem.attrs).get("encoding-type", "")
+    return ad.io.sparse_dataset(elem) if "matrix" in str(encoding) else elem
 
 
 def _part_from_path(path: Path, layer: str | None, use_raw: bool, tables: bool = True) -> _Part:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
-    if path.suffix == ".zarr" or path.is_dir():
-        import zarr
 
-        group: Any = zarr.open_group(str(path), mode="r")
-        closers: list = []
-    else:
-        import h5py
+    def open_reader() -> tuple[_RowReader, list[Callable[[], None]]]:
+        group, closers = _open_group(path)
+        try:
+            return _reader_for(_matrix_of(_elements(group, path, layer, use_raw)[0])), closers
+        except BaseException:
+            for close in closers:
+                close()
+            raise
 
-        group = h5py.File(path, "r")
-        closers = [group.close]
-    def table(elem) -> pd.DataFrame:
-        return ad.io.read_elem(elem) if tables else pd.DataFrame()
+    def read_var() -> pd.DataFrame:
+        group, closers = _open_group(path)
+        try:
+            return ad.io.read_elem(_elements(group, path, layer, use_raw)[1])
+        finally:
+            for close in closers:
+                close()
 
+    group, closers = _open_group(path)
     try:
-        if use_raw:
-            from deltacells._extras import has_raw
-
-            if not has_raw(group):
-                raise ValueError(f"{path}: use_raw=True but the file has no raw")
-            elem, var_elem = group["raw"]["X"], group["raw"]["var"]
-        elif layer is not None:
-            if "layers" not in group or layer not in group["layers"]:
-                raise KeyError(f"{path}: layer {layer!r} not found")
-            elem, var_elem = group["layers"][layer], group["var"]
-        else:
-            elem, var_elem = group["X"], group["var"]
-        names = _var_names_only(var_elem) if tables else None
-        var = table(var_elem) if names is None else names
-        obs = table(group["obs"])
-        encoding = dict(elem.attrs).get("encoding-type", "")
-        matrix = ad.io.sparse_dataset(elem) if "matrix" in str(encoding) else elem
-        read_var = (lambda: ad.io.read_elem(var_elem)) if names is not None else None
-        return _Part(str(path), _reader_for(matrix), obs, var, closers, read_var)
-    except BaseException:
+        elem, var_elem = _elements(group, path, layer, use_raw)
+        n_obs = int(_matrix_of(elem).shape[0])
+        if not tables:
+            return _Part(str(path), n_obs, pd.DataFrame(), pd.DataFrame(), open_reader,
+                         from_file=True)  # fmt: skip
+        names = _var_names_only(var_elem)
+        var = ad.io.read_elem(var_elem) if names is None else names
+        obs = ad.io.read_elem(group["obs"])
+        if len(obs) != n_obs:
+            raise ValueError(f"{path}: obs has {len(obs)} rows but the counts have {n_obs}")
+        return _Part(str(path), n_obs, obs, var, open_reader, read_var, from_file=True)
+    finally:
         for close in closers:
             close()
-        raise
 
 
 def _var_names_only(elem) -> pd.DataFrame | None:
@@ -340,13 +390,20 @@ def _align_genes(parts: list[_Part], join: str) -> tuple[pd.Index, list[np.ndarr
             names = names.append(part.var.index[~part.var.index.isin(names)])
     else:
         raise ValueError(f"join must be one of {JOINS}, not {join!r}")
-    maps = [names.get_indexer(part.var.index).astype(np.int64) for part in parts]
+    maps: list[np.ndarray] = []
+    for p, part in enumerate(parts):
+        # Inputs with the same genes in the same order (the usual atlas) share one map.
+        same = p > 0 and part.var.index.equals(parts[p - 1].var.index)
+        maps.append(maps[-1] if same else names.get_indexer(part.var.index).astype(np.int64))
     # Each gene's row from the first input that has it (columns and dtypes as one
     # concatenation of all the tables gives), read one table at a time.
     var = parts[0].full_var()
     for part in parts[1:]:
         var = pd.concat([var, part.full_var()])
         var = var[~var.index.duplicated(keep="first")]
+    for part in parts:
+        if part.from_file:
+            part.var = None  # read again only to name a gene in an error
     return names, maps, var.reindex(names)
 
 
@@ -506,6 +563,7 @@ def _iter_blocks(
         for start in range(0, part.n_obs, block_size):
             stop = min(start + block_size, part.n_obs)
             yield p, start, stop, part.reader.block(start, stop)
+        part.release()
 
 
 def _check_and_total(
@@ -556,7 +614,7 @@ def _count_error(part: _Part, problem: str, cell: int, gene: int) -> CountError:
     """A CountError naming the input, the cell and the gene."""
     return CountError(problem, cell, gene, message=(
         f"{part.label}: {problem} at cell {cell} ({part.obs.index[cell]!r}), gene {gene} "
-        f"({part.var.index[gene]!r})"))  # fmt: skip
+        f"({part.full_var().index[gene]!r})"))  # fmt: skip
 
 
 #: Blocks (of the tile size) one pass-1 dask task checks.
@@ -669,10 +727,24 @@ def _tile_rows(plan: _Plan, tile: int, tile_size: int) -> np.ndarray:
     return plan.cell_order[start:stop]
 
 
+def _max_open_inputs() -> int:
+    """How many file inputs a reordered write keeps open: a quarter of the soft limit on
+    open files (at least 4), leaving the rest to the process."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1024 if soft == resource.RLIM_INFINITY else max(4, soft // 4)
+
+
 def _tile_matrix(
-    parts: list[_Part], plan: _Plan, rows: np.ndarray, contiguous: bool, cache: dict
+    parts: list[_Part], plan: _Plan, rows: np.ndarray, contiguous: bool, cache: dict,
+    opened: OrderedDict | None = None,
 ) -> sp.csr_matrix:
-    """The counts of global rows ``rows`` in stored gene order."""
+    """The counts of global rows ``rows`` in stored gene order.
+
+    In order, an input is released once its last row is read. Reordered, any tile may need
+    any input: the inputs used last stay open (in ``opened``), up to :func:`_max_open_inputs`.
+    """
     pieces, positions = [], []
     part_of = np.searchsorted(plan.offsets, rows, side="right") - 1
     for p in np.unique(part_of):
@@ -681,9 +753,16 @@ def _tile_matrix(
         if contiguous:
             key = (int(p), int(local[0]), int(local[-1]) + 1)
             block = cache.pop(key) if key in cache else parts[p].reader.block(*key[1:])
+            if key[2] == parts[p].n_obs:  # in order, so this input is done with
+                parts[p].release()
         else:
             order = np.argsort(local, kind="stable")
             block = parts[p].reader.rows(local[order])[np.argsort(order)]
+            if opened is not None:
+                opened[p] = None
+                opened.move_to_end(p)
+                while len(opened) > _max_open_inputs():
+                    parts[opened.popitem(last=False)[0]].release()
         pieces.append(_remap_columns(sp.csr_matrix(block), plan.col_maps[p], plan.n_genes))
         positions.append(mine)
     matrix = sp.vstack(pieces, format="csr") if len(pieces) > 1 else pieces[0]
@@ -937,7 +1016,7 @@ def write_deltacells(
             raise ValueError("a gene name contains a newline, which var_names.txt cannot hold")
         obs_frame = _combined_obs(parts, obs_exclude, list_input=len(sources) > 1) if obs else None
         obs_plan = _infer_obs_schema(obs_frame, max_categories) if obs else None
-        on_disk = any(not p.reader.in_memory for p in parts)
+        on_disk = any(not p.in_memory for p in parts)
         # Blocks kept from pass 1 serve pass 2 only when both read the source in order.
         reordered = shuffle or cell_order is not None or spatial_key is not None \
             or shapes is not None  # fmt: skip
@@ -982,7 +1061,9 @@ def write_deltacells(
         if order is not None:
             inverse = np.empty(n_genes, dtype=np.int64)
             inverse[order] = np.arange(n_genes)
-            stored_maps = [np.where(m >= 0, inverse[np.maximum(m, 0)], -1) for m in col_maps]
+            stored: dict[int, np.ndarray] = {}  # shared maps stay shared
+            stored_maps = [stored.setdefault(id(m), np.where(m >= 0, inverse[np.maximum(m, 0)],
+                                                             -1)) for m in col_maps]  # fmt: skip
         plan = _Plan(
             n_cells=n_cells,
             n_genes=n_genes,
@@ -1212,19 +1293,21 @@ def _write_tiles(store, parts, plan, tile_size, n_chunks, level, n_threads, prog
     # tqdm counts an item when the next one is asked for: start the bar now, so that the
     # tick after each written tile counts it and the last one closes the bar at n/n.
     next(ticks, None)
+    opened: OrderedDict = OrderedDict()
     for t in range(n_tiles):
         records.append(_encode_tile_to(store, parts, plan, t, tile_size, n_chunks, level,
-                                       n_threads, cache))  # fmt: skip
+                                       n_threads, cache, opened))  # fmt: skip
         next(ticks, None)
     return _columns(records)
 
 
 def _encode_tile_to(store: Store, parts, plan: _Plan, t: int, tile_size: int, n_chunks: int,
-                    level: int, n_threads, cache: dict) -> tuple[int, int, int, int]:  # fmt: skip
+                    level: int, n_threads, cache: dict,
+                    opened: OrderedDict) -> tuple[int, int, int, int]:  # fmt: skip
     """Encode tile ``t`` and write it; return what the manifest records of it (cells,
     nonzeros, bytes, the header's CRC)."""
     rows = _tile_rows(plan, t, tile_size)
-    matrix = _tile_matrix(parts, plan, rows, plan.cell_order is None, cache)
+    matrix = _tile_matrix(parts, plan, rows, plan.cell_order is None, cache, opened)
     blob = encode_tile(matrix, n_chunks=n_chunks, level=level, n_threads=n_threads)
     store.write_atomic(tile_name(t), blob)
     nnz = int(np.frombuffer(blob, "<u8", 1, 24)[0])
@@ -1267,8 +1350,9 @@ def _encode_task(inputs: tuple, layer, use_raw, plan: _Plan, tile_size: int, n_c
     parts = [_open_part(item, layer, use_raw, tables=False) if p in needed else None
              for p, item in enumerate(inputs)]  # fmt: skip
     try:
+        opened: OrderedDict = OrderedDict()
         return [(t, _encode_tile_to(store, parts, plan, t, tile_size, n_chunks, level,
-                                    n_threads, {})) for t in tiles]  # fmt: skip
+                                    n_threads, {}, opened)) for t in tiles]  # fmt: skip
     finally:
         for part in parts:
             if part is not None:
