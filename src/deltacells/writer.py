@@ -8,7 +8,6 @@ written before the first pass succeeds. Tiles and shards appear atomically, the 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import os
 import re
@@ -27,6 +26,7 @@ import pyarrow.parquet as pq
 import scipy.sparse as sp
 
 from deltacells import _kernels
+from deltacells._obs_write import ObsInputs, plan_obs, write_obs
 from deltacells.codec import (
     DEFAULT_LEVEL,
     DEFAULT_N_CHUNKS,
@@ -42,18 +42,11 @@ from deltacells.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     OBS_INDEX_COLUMN,
-    OBS_SCHEMA_NAME,
     VAR_NAMES_NAME,
     VAR_TABLE_NAME,
     Manifest,
-    ObsColumn,
-    ObsSchema,
-    category_code_type,
-    obs_fingerprint,
-    obs_shard_name,
     tile_name,
 )
-from deltacells.obs_dtypes import pandas_record
 from deltacells.storage import Store, open_store
 
 __all__ = ["DEFAULT_TILE_SIZE", "OBS_INDEX_COLUMN", "write_deltacells"]
@@ -212,12 +205,13 @@ class _Part:
     each open HDF5 file keeps caches of its own, and a process has a limited number of file
     descriptors). A CSC file stays open once read, its transposed copy being costly to
     remake. For files, ``var`` holds the gene names only until the genes are aligned, then
-    ``None``; ``full_var`` reads the whole table when the output's var table is built.
+    ``None``; ``full_var`` reads the whole table when the output's var table is built, and
+    ``read_obs`` reads obs each time it is called (it is not kept).
     """
 
     label: str
     n_obs: int
-    obs: pd.DataFrame
+    read_obs: Callable[[], pd.DataFrame]
     var: pd.DataFrame | None
     open_reader: Callable[[], tuple[_RowReader, list[Callable[[], None]]]]
     read_var: Callable[[], pd.DataFrame] | None = None
@@ -277,7 +271,8 @@ def _part_from_anndata(adata: ad.AnnData, layer: str | None, use_raw: bool) -> _
     if matrix is None:
         raise ValueError("the AnnData has no X")
     reader = _reader_for(matrix)
-    return _Part(label, adata.n_obs, adata.obs, var, lambda: (reader, []), _reader=reader)
+    return _Part(label, adata.n_obs, lambda: adata.obs, var, lambda: (reader, []),
+                 _reader=reader)
 
 
 def _open_group(path: Path) -> tuple[Any, list[Callable[[], None]]]:
@@ -333,19 +328,27 @@ def _part_from_path(path: Path, layer: str | None, use_raw: bool, tables: bool =
             for close in closers:
                 close()
 
+    def read_obs() -> pd.DataFrame:
+        group, closers = _open_group(path)
+        try:
+            obs = ad.io.read_elem(group["obs"])
+        finally:
+            for close in closers:
+                close()
+        if len(obs) != n_obs:
+            raise ValueError(f"{path}: obs has {len(obs)} rows but the counts have {n_obs}")
+        return obs
+
     group, closers = _open_group(path)
     try:
         elem, var_elem = _elements(group, path, layer, use_raw)
         n_obs = int(_matrix_of(elem).shape[0])
         if not tables:
-            return _Part(str(path), n_obs, pd.DataFrame(), pd.DataFrame(), open_reader,
+            return _Part(str(path), n_obs, read_obs, pd.DataFrame(), open_reader,
                          from_file=True)  # fmt: skip
         names = _var_names_only(var_elem)
         var = ad.io.read_elem(var_elem) if names is None else names
-        obs = ad.io.read_elem(group["obs"])
-        if len(obs) != n_obs:
-            raise ValueError(f"{path}: obs has {len(obs)} rows but the counts have {n_obs}")
-        return _Part(str(path), n_obs, obs, var, open_reader, read_var, from_file=True)
+        return _Part(str(path), n_obs, read_obs, var, open_reader, read_var, from_file=True)
     finally:
         for close in closers:
             close()
@@ -427,99 +430,6 @@ def _resolve_gene_order(gene_order: Any, totals: np.ndarray) -> np.ndarray | Non
     ):
         raise ValueError(f"gene_order must be a permutation of 0..{n - 1}")
     return order.astype(np.int32)
-
-
-# ---------------------------------------------------------------------------------------------
-# obs
-
-
-def _infer_obs_schema(
-    obs: pd.DataFrame, max_categories: int
-) -> tuple[ObsSchema, dict[str, Callable[[np.ndarray], pa.Array]]]:
-    """The obs schema and, per column, a function making the Arrow array of some rows."""
-    columns: list[ObsColumn] = []
-    makers: dict[str, Callable[[np.ndarray], pa.Array]] = {}
-    if OBS_INDEX_COLUMN in obs.columns:
-        raise ValueError(f"obs has a column named {OBS_INDEX_COLUMN!r}, which holds obs_names")
-    index = pd.Series(obs.index.astype(str), dtype=object)
-    stored_names = [str(c) for c in obs.columns]
-    clashes = sorted({n for n in stored_names if stored_names.count(n) > 1})
-    if clashes:
-        raise ValueError(
-            f"obs columns {[c for c in obs.columns if str(c) in clashes]!r} would all be stored "
-            f"as {clashes[0]!r} (column names are stored as strings); rename one of them"
-        )
-    series_list = [(OBS_INDEX_COLUMN, index)] + [
-        (name, obs.iloc[:, i]) for i, name in enumerate(stored_names)
-    ]
-    for name, series in series_list:
-        column, maker = _obs_column(
-            name, series, max_categories, force_string=name == OBS_INDEX_COLUMN
-        )
-        columns.append(column)
-        makers[name] = maker
-    return ObsSchema(tuple(columns)), makers
-
-
-def _obs_column(name: str, series: pd.Series, max_categories: int, force_string: bool = False):
-    dtype = series.dtype
-    if isinstance(dtype, pd.CategoricalDtype) and not force_string:
-        cats = series.cat.categories
-        if len(cats) <= max_categories:
-            categories = [_json_scalar(c) for c in cats]
-            code_type = category_code_type(len(categories))
-            codes = series.cat.codes.to_numpy().astype(code_type)
-            return (
-                ObsColumn(name, "category", code_type, categories),
-                lambda rows: pa.array(codes[rows], type=pa.from_numpy_dtype(np.dtype(code_type))),
-            )
-        values = series.astype(object).to_numpy()
-        return ObsColumn(name, "string", "string"), _string_maker(values)
-    if pd.api.types.is_bool_dtype(dtype):
-        values = series.to_numpy(dtype=object) if series.hasnans else series.to_numpy()
-        return ObsColumn(name, "bool", "bool"), lambda rows: pa.array(
-            values[rows], type=pa.bool_(), from_pandas=True
-        )
-    if pd.api.types.is_numeric_dtype(dtype) and not pd.api.types.is_complex_dtype(dtype):
-        numpy_dtype = dtype.numpy_dtype if hasattr(dtype, "numpy_dtype") else np.dtype(dtype)
-        arrow_type = pa.from_numpy_dtype(numpy_dtype)
-        values = series.array
-        return ObsColumn(name, "numeric", str(arrow_type)), lambda rows: pa.array(
-            values[rows], type=arrow_type, from_pandas=True
-        )
-    if pd.api.types.is_object_dtype(dtype) or pd.api.types.is_string_dtype(dtype):
-        inferred = pd.api.types.infer_dtype(series, skipna=True)
-        if inferred not in ("string", "empty"):
-            raise ValueError(
-                f"obs column {name!r} holds {inferred} values, not strings; convert it or "
-                f"exclude it with obs_exclude=[{name!r}]"
-            )
-        values = series.astype(object).to_numpy()
-        if not force_string:
-            unique = pd.unique(series.dropna())
-            if len(unique) <= max_categories:
-                return _obs_column(name, series.astype("category"), max_categories)
-        return ObsColumn(name, "string", "string"), _string_maker(values)
-    raise ValueError(
-        f"obs column {name!r} has unsupported dtype {dtype}; deltacells stores categorical, "
-        f"numeric, boolean and string columns: convert it or pass obs_exclude=[{name!r}]"
-    )
-
-
-def _string_maker(values: np.ndarray) -> Callable[[np.ndarray], pa.Array]:
-    def make(rows: np.ndarray) -> pa.Array:
-        chunk = [None if _is_missing(v) else str(v) for v in values[rows]]
-        return pa.array(chunk, type=pa.string())
-
-    return make
-
-
-def _is_missing(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and np.isnan(value)) or value is pd.NA
-
-
-def _json_scalar(value: Any) -> Any:
-    return value.item() if isinstance(value, np.generic) else value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -613,7 +523,7 @@ def _checked_block(block: Any, block_size: int) -> tuple[tuple, np.ndarray, int]
 def _count_error(part: _Part, problem: str, cell: int, gene: int) -> CountError:
     """A CountError naming the input, the cell and the gene."""
     return CountError(problem, cell, gene, message=(
-        f"{part.label}: {problem} at cell {cell} ({part.obs.index[cell]!r}), gene {gene} "
+        f"{part.label}: {problem} at cell {cell} ({part.read_obs().index[cell]!r}), gene {gene} "
         f"({part.full_var().index[gene]!r})"))  # fmt: skip
 
 
@@ -990,6 +900,12 @@ def write_deltacells(
     -----
     The output is byte-identical for any ``n_threads`` and ``n_workers`` and for in-memory or
     on-disk input of the same data.
+
+    For a list of files, memory does not grow with the atlas beyond 8 bytes per cell: input
+    files are open only while their counts are read, their obs is read one input at a time
+    (once to plan the schema, once to write it) and only a hash of each obs name is kept.
+    Writing in another cell order (``shuffle``, ``cell_order``) holds the whole obs, since
+    any tile may hold cells of any input.
     """
     chosen_tile_size = tile_size is not None
     tile_size = DEFAULT_TILE_SIZE if tile_size is None else tile_size
@@ -1014,8 +930,9 @@ def write_deltacells(
                              else f"{parts[0].label}: the input has no genes")  # fmt: skip
         if any("\n" in str(name) for name in var_names):
             raise ValueError("a gene name contains a newline, which var_names.txt cannot hold")
-        obs_frame = _combined_obs(parts, obs_exclude, list_input=len(sources) > 1) if obs else None
-        obs_plan = _infer_obs_schema(obs_frame, max_categories) if obs else None
+        obs_plan = plan_obs(ObsInputs([p.read_obs for p in parts], [p.label for p in parts],
+                                      obs_exclude, len(sources) > 1),
+                            max_categories) if obs else None  # fmt: skip
         on_disk = any(not p.in_memory for p in parts)
         # Blocks kept from pass 1 serve pass 2 only when both read the source in order.
         reordered = shuffle or cell_order is not None or spatial_key is not None \
@@ -1047,7 +964,8 @@ def write_deltacells(
                                  "without shuffle or cell_order")  # fmt: skip
             from deltacells._spatial_write import plan_spatial_order
 
-            spatial = plan_spatial_order(sources[0], parts[0].obs.index, spatial_key=spatial_key,
+            spatial = plan_spatial_order(sources[0], parts[0].read_obs().index,
+                                         spatial_key=spatial_key,
                                          shapes=shapes, grid_tile_size=grid_tile_size,
                                          origin=origin)  # fmt: skip
             cell_order = spatial.cell_order
@@ -1073,10 +991,8 @@ def write_deltacells(
             gene_order=order,
             cell_order=cell_order,
             offsets=np.concatenate([[0], np.cumsum([p.n_obs for p in parts])]).astype(np.int64),
-            # duplicated(), not is_unique: pandas compares strings only up to a NUL byte there
-            obs_names_unique=obs_frame is None
-            or not bool(obs_frame.index.astype(str).duplicated().any()),
-            obs_pandas=None if obs_frame is None else pandas_record(obs_frame),
+            obs_names_unique=obs_plan is None or obs_plan.names_unique,
+            obs_pandas=None if obs_plan is None else obs_plan.record,
             spatial=spatial,
         )
 
@@ -1175,8 +1091,9 @@ def _write_dataset(
             store.write_atomic(name, data)
     obs_fields: dict[str, Any] = {}
     if s.obs:
-        obs_fields = _write_obs(store, obs_plan, plan, s.tile_size, tile_cells,
-                                s.obs_tiles_per_file)  # fmt: skip
+        obs_fields = write_obs(store, obs_plan, lambda t: _tile_rows(plan, t, s.tile_size),
+                               plan.offsets, plan.cell_order, tile_cells,
+                               s.obs_tiles_per_file)  # fmt: skip
     extras = None
     if s.source is not None:
         from deltacells._extras import write_extras
@@ -1267,22 +1184,6 @@ def _package_version() -> str:
         return version("deltacells")
     except PackageNotFoundError:  # pragma: no cover - running from a source tree
         return "unknown"
-
-
-def _combined_obs(parts: list[_Part], exclude: Sequence[str], list_input: bool) -> pd.DataFrame:
-    frames = []
-    for part in parts:
-        frame = part.obs.drop(columns=[c for c in exclude if c in part.obs.columns])
-        if list_input:
-            frame = frame.assign(source_file=Path(part.label).name)
-        frames.append(frame)
-    combined = pd.concat(frames, join="outer") if len(frames) > 1 else frames[0]
-    if list_input:
-        combined["source_file"] = pd.Categorical(
-            combined["source_file"],
-            categories=list(dict.fromkeys(Path(p.label).name for p in parts)),
-        )
-    return combined
 
 
 def _write_tiles(store, parts, plan, tile_size, n_chunks, level, n_threads, progress, cache):
@@ -1393,34 +1294,3 @@ def _var_parquet(var: pd.DataFrame) -> bytes:
     buffer = pa.BufferOutputStream()  # not a Python file object (see deltacells.dataset)
     pq.write_table(table, buffer, compression="zstd")
     return buffer.getvalue().to_pybytes()
-
-
-def _write_obs(store, obs_plan, plan, tile_size, tile_cells, tiles_per_file) -> dict:
-    schema, makers = obs_plan
-    arrow_schema = pa.schema(
-        [pa.field(c.name, pa.type_for_alias(c.arrow_type)) for c in schema.columns]
-    )
-    n_tiles = len(tile_cells)
-    shard_bytes, shard_sha = [], []
-    for s in range(-(-n_tiles // tiles_per_file)):
-        buffer = pa.BufferOutputStream()
-        with pq.ParquetWriter(
-            buffer, arrow_schema, compression="zstd", write_statistics=False
-        ) as writer:
-            for t in range(s * tiles_per_file, min((s + 1) * tiles_per_file, n_tiles)):
-                rows = _tile_rows(plan, t, tile_size)
-                arrays = [makers[c.name](rows) for c in schema.columns]
-                table = pa.Table.from_arrays(arrays, schema=arrow_schema)
-                writer.write_table(table, row_group_size=max(len(rows), 1))
-        data = buffer.getvalue().to_pybytes()
-        store.write_atomic(obs_shard_name(s), data)
-        shard_bytes.append(len(data))
-        shard_sha.append(hashlib.sha256(data).hexdigest())
-    schema_text = schema.to_json_text()
-    store.write_atomic(OBS_SCHEMA_NAME, schema_text.encode("utf-8"))
-    return {
-        "obs_tiles_per_file": tiles_per_file,
-        "obs_shard_bytes": shard_bytes,
-        "obs_shard_sha256": shard_sha,
-        "obs_fingerprint": obs_fingerprint(schema_text, tile_cells, shard_sha),
-    }
