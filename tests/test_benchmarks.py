@@ -48,10 +48,12 @@ def test_bench_remote_small(tmp_path):
     pytest.importorskip("moto.server")
     pytest.importorskip("obstore")
     out = tmp_path / "remote.json"
-    run("bench_remote.py", "--cells", "9000", "--random-reads", "1", "--no-peers", "--out",
-        str(out), "--no-plot")  # fmt: skip
+    run("bench_remote.py", "--cells", "9000", "--random-reads", "1", "--no-peers", "--epochs",
+        "2", "--out", str(out), "--no-plot")  # fmt: skip
     results = json.loads(out.read_text())
     for name in ("loader_defaults", "loader_defaults_obstore", "loader_one_tile_at_a_time"):
         assert results["runs"][name]["cells"] == 9000
         assert results["runs"][name]["bytes"] >= results["dataset"]["tile_bytes"]
+        each = results["runs"][name]["epochs_cells_per_s"]
+        assert len(each) == 2 and results["runs"][name]["cells_per_s"] == min(each)
     assert results["runs"]["random_4096_ranged_chunks_512_chunks"]["cells"] == 4096
