@@ -4,9 +4,10 @@ The obs of many inputs is the concatenation pandas makes of their tables (outer 
 columns), but it is never built whole: a first pass reads each input's obs in turn and keeps
 a few representative rows per column (whose concatenation has the dtypes of the whole), the
 distinct values of text columns (up to ``max_categories``) and a 64-bit hash per obs name.
-The schema follows from those. Writing reads each input's obs again when its rows come up;
-only a write in another cell order (``shuffle``, ``cell_order``) holds the whole table, since
-any tile may hold rows of any input. What the caller keeps per cell is the hash, 8 bytes.
+The schema follows from those. Writing reads each input's obs again when its rows come up; a
+write in another cell order (``shuffle``, ``cell_order``), where any tile may hold rows of any
+input, first encodes each input's obs into one temporary Arrow file and takes the tiles' rows
+from it memory-mapped. What the caller keeps per cell is the hash, 8 bytes.
 """
 
 from __future__ import annotations
@@ -194,7 +195,9 @@ def plan_obs(inputs: ObsInputs, max_categories: int) -> ObsPlan:
         described, encoder = _column(str(column), dtype, stats[column], max_categories)
         columns.append(described)
         encoders.append(encoder)
-    unique = _names_unique(inputs, np.concatenate(hashes) if hashes else np.zeros(0, np.uint64))
+    every = np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)
+    hashes.clear()
+    unique = _names_unique(inputs, every)
     return ObsPlan(inputs, ObsSchema(tuple(columns)), record, combined.dtypes, encoders, unique)
 
 
@@ -275,36 +278,34 @@ def _json_scalar(value: Any) -> Any:
 
 
 class TileObs:
-    """The output obs rows of one tile at a time.
+    """The output obs of one tile at a time, as Arrow arrays.
 
     In input order, an input's obs is read when its first row is asked for and dropped after
-    its last. Rows in another order may come from any input: the whole table is read once.
+    its last. Rows in another order may come from any input: each input's obs is encoded in
+    turn into one temporary Arrow file, memory-mapped, from which the tiles' rows are taken
+    (the pages are the file's, not the heap's). Call :meth:`close` to remove the file.
     """
 
-    def __init__(self, plan: ObsPlan, offsets: np.ndarray, cell_order: np.ndarray | None):
+    def __init__(self, plan: ObsPlan, arrow_schema: pa.Schema, offsets: np.ndarray,
+                 reordered: bool) -> None:  # fmt: skip
         self.plan = plan
+        self.arrow_schema = arrow_schema
         self.offsets = offsets
-        self.reordered = cell_order is not None
+        self.reordered = reordered
         self._frames: dict[int, pd.DataFrame] = {}
-        self._whole: pd.DataFrame | None = None
+        self._spill: Any = None  # the temporary directory of a reordered write
+        self._whole: pa.Table | None = None
 
     def _input(self, p: int) -> pd.DataFrame:
         if p not in self._frames:
             self._frames = {p: self.plan.inputs.frame(p)}  # the inputs before are done
         return self._frames[p]
 
-    def rows(self, rows: np.ndarray) -> pd.DataFrame:
-        """The conformed obs of global rows ``rows`` (consecutive unless reordered)."""
+    def arrays(self, rows: np.ndarray) -> list[pa.Array]:
+        """The obs of global rows ``rows`` (consecutive unless reordered)."""
         if self.reordered:
-            if self._whole is None:
-                inputs = self.plan.inputs
-                with warnings.catch_warnings():  # pandas' warnings were given when planning
-                    warnings.simplefilter("ignore", FutureWarning)
-                    whole = _concat([inputs.frame(p) for p in range(len(inputs))])
-                self._whole = self.plan.conform(whole)
-            return self._whole.iloc[rows]
-        if not len(rows):
-            return self.plan.conform(self._input(0).iloc[:0])
+            taken = self._spilled().take(pa.array(rows, type=pa.int64()))
+            return [column.combine_chunks() for column in taken.columns]
         first, last = int(rows[0]), int(rows[-1]) + 1
         pieces = []
         for p in range(int(np.searchsorted(self.offsets, first, side="right")) - 1,
@@ -313,9 +314,31 @@ class TileObs:
             if stop > start:
                 lo, hi = max(first, start) - start, min(last, stop) - start
                 pieces.append(self._input(p).iloc[lo:hi])
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # pandas' warnings were given when planning
             warnings.simplefilter("ignore", FutureWarning)
-            return self.plan.conform(_concat(pieces))
+            return self.plan.arrays(self.plan.conform(_concat(pieces)))
+
+    def _spilled(self) -> pa.Table:
+        if self._whole is None:
+            import tempfile
+
+            self._spill = tempfile.TemporaryDirectory(prefix="deltacells-obs-")
+            path = str(Path(self._spill.name) / "obs.arrow")
+            inputs = self.plan.inputs
+            with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, self.arrow_schema) as out:
+                for p in range(len(inputs)):
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", FutureWarning)
+                        arrays = self.plan.arrays(self.plan.conform(inputs.frame(p)))
+                    out.write_table(pa.Table.from_arrays(arrays, schema=self.arrow_schema))
+            self._whole = pa.ipc.open_file(pa.memory_map(path, "r")).read_all()
+        return self._whole
+
+    def close(self) -> None:
+        self._whole = None
+        if self._spill is not None:
+            self._spill.cleanup()
+            self._spill = None
 
 
 def write_obs(store: Any, plan: ObsPlan, tile_rows: Callable[[int], np.ndarray],
@@ -325,22 +348,25 @@ def write_obs(store: Any, plan: ObsPlan, tile_rows: Callable[[int], np.ndarray],
     arrow_schema = pa.schema(
         [pa.field(c.name, pa.type_for_alias(c.arrow_type)) for c in plan.schema.columns]
     )
-    source = TileObs(plan, offsets, cell_order)
+    source = TileObs(plan, arrow_schema, offsets, cell_order is not None)
     n_tiles = len(tile_cells)
     shard_bytes, shard_sha = [], []
-    for s in range(-(-n_tiles // tiles_per_file)):
-        buffer = pa.BufferOutputStream()
-        with pq.ParquetWriter(
-            buffer, arrow_schema, compression="zstd", write_statistics=False
-        ) as writer:
-            for t in range(s * tiles_per_file, min((s + 1) * tiles_per_file, n_tiles)):
-                rows = tile_rows(t)
-                table = pa.Table.from_arrays(plan.arrays(source.rows(rows)), schema=arrow_schema)
-                writer.write_table(table, row_group_size=max(len(rows), 1))
-        data = buffer.getvalue().to_pybytes()
-        store.write_atomic(obs_shard_name(s), data)
-        shard_bytes.append(len(data))
-        shard_sha.append(hashlib.sha256(data).hexdigest())
+    try:
+        for s in range(-(-n_tiles // tiles_per_file)):
+            buffer = pa.BufferOutputStream()
+            with pq.ParquetWriter(
+                buffer, arrow_schema, compression="zstd", write_statistics=False
+            ) as writer:
+                for t in range(s * tiles_per_file, min((s + 1) * tiles_per_file, n_tiles)):
+                    rows = tile_rows(t)
+                    table = pa.Table.from_arrays(source.arrays(rows), schema=arrow_schema)
+                    writer.write_table(table, row_group_size=max(len(rows), 1))
+            data = buffer.getvalue().to_pybytes()
+            store.write_atomic(obs_shard_name(s), data)
+            shard_bytes.append(len(data))
+            shard_sha.append(hashlib.sha256(data).hexdigest())
+    finally:
+        source.close()
     schema_text = plan.schema.to_json_text()
     store.write_atomic(OBS_SCHEMA_NAME, schema_text.encode("utf-8"))
     return {

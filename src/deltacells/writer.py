@@ -901,11 +901,12 @@ def write_deltacells(
     The output is byte-identical for any ``n_threads`` and ``n_workers`` and for in-memory or
     on-disk input of the same data.
 
-    For a list of files, memory does not grow with the atlas beyond 8 bytes per cell: input
-    files are open only while their counts are read, their obs is read one input at a time
-    (once to plan the schema, once to write it) and only a hash of each obs name is kept.
-    Writing in another cell order (``shuffle``, ``cell_order``) holds the whole obs, since
-    any tile may hold cells of any input.
+    For a list of files, memory does not grow with the atlas beyond a few bytes per cell:
+    input files are open only while their counts are read, their obs is read one input at a
+    time (once to plan the schema, once to write it) and a hash of each obs name is kept.
+    Writing in another cell order (``shuffle``, ``cell_order``), where any tile may hold cells
+    of any input, goes through a temporary Arrow file of the encoded obs, memory-mapped, and
+    keeps the cell order (8 bytes per cell).
     """
     chosen_tile_size = tile_size is not None
     tile_size = DEFAULT_TILE_SIZE if tile_size is None else tile_size
