@@ -28,6 +28,17 @@ def test_convert_info_verify(tmp_path, capsys):
     assert main(["verify", str(out), "--quiet"]) == 0
 
 
+def test_messages_count_tiles_in_words(tmp_path, capsys):
+    """One tile is "1 tile", more are "N tiles"."""
+    out = tmp_path / "visium"
+    for size, words in (("5000", "1 tile,"), ("500", "5 tiles,")):
+        assert main(["convert", str(DATA_DIR / "visium_multisample.h5ad"), str(out),
+                     "--tile-size", size, "--overwrite"]) == 0  # fmt: skip
+        assert f"in {words}" in capsys.readouterr().out
+        assert main(["verify", str(out)]) == 0
+        assert f"OK ({words}" in capsys.readouterr().out
+
+
 def test_verify_fails_on_a_corrupted_tile(tmp_path, capsys):
     out = tmp_path / "d"
     main(["convert", str(DATA_DIR / "visium_multisample.h5ad"), str(out), "--tile-size", "500",

@@ -18,6 +18,11 @@ from deltacells.writer import DEFAULT_TILE_SIZE, JOINS, write_deltacells
 __all__ = ["main"]
 
 
+
+def _count(n: int, noun: str) -> str:
+    """``"1 tile"``, ``"2 tiles"``."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
 def _convert(args: argparse.Namespace) -> int:
     import warnings
 
@@ -33,7 +38,8 @@ def _convert(args: argparse.Namespace) -> int:
         per_nnz = size / manifest.nnz if manifest.nnz else 0.0
         print(
             f"wrote {args.dst}: {manifest.n_cells} cells x {manifest.n_genes} genes in "
-            f"{manifest.n_tiles} tiles, {size / 1e6:.1f} MB ({per_nnz:.3f} bytes/nonzero)"
+            f"{_count(manifest.n_tiles, 'tile')}, {size / 1e6:.1f} MB "
+            f"({per_nnz:.3f} bytes/nonzero)"
         )
         for line in _kept(manifest):
             print(f"  {line}")
@@ -120,7 +126,7 @@ def _info(args: argparse.Namespace) -> int:
         return 0
     print(f"{info['location']} (format version {info['version']})")
     print(f"  cells x genes    {info['n_cells']:,} x {info['n_genes']:,}")
-    print(f"  tiles            {info['n_tiles']} of up to {info['tile_size']:,} cells, "
+    print(f"  tiles            {info['n_tiles']:,} of up to {info['tile_size']:,} cells, "
           f"{info['n_chunks']} chunks, zstd level {info['zstd_level']}")  # fmt: skip
     print(f"  nonzeros         {info['nnz']:,}")
     print(
@@ -199,7 +205,8 @@ def _verify(args: argparse.Namespace) -> int:
 
     dataset.verify(progress)
     if not args.quiet:
-        print(f"{args.path}: OK ({dataset.manifest.n_tiles} tiles, CRC and full decode)")
+        print(f"{args.path}: OK ({_count(dataset.manifest.n_tiles, 'tile')}, CRC and full "
+              "decode)")
     return 0
 
 
