@@ -405,7 +405,7 @@ def _align_genes(parts: list[_Part], join: str) -> tuple[pd.Index, list[np.ndarr
         var = pd.concat([var, part.full_var()])
         var = var[~var.index.duplicated(keep="first")]
     for part in parts:
-        if part.from_file:
+        if part.read_var is not None:
             part.var = None  # read again only to name a gene in an error
     return names, maps, var.reindex(names)
 
