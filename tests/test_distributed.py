@@ -45,11 +45,21 @@ def same_files(a: Path, b: Path) -> None:
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_files_on_a_cluster_are_byte_identical(client, inputs, tmp_path, shuffle):
+def test_files_on_a_cluster_are_byte_identical(client, inputs, tmp_path, shuffle, monkeypatch):
+    """Same bytes as one process; the plan every worker receives holds no per-cell array
+    (each task gets its own tiles' rows of a shuffled write instead)."""
+    from deltacells import writer
+
     options = {"tile_size": 250, "join": "same", "shuffle": shuffle, "progress": False}
     dc.write_deltacells(inputs, tmp_path / "here", **options)
+    scattered = []
+    scatter = client.scatter
+    monkeypatch.setattr(client, "scatter", lambda data, **kw: (scattered.append(data),
+                                                               scatter(data, **kw))[1])
     dc.write_deltacells(inputs, tmp_path / "cluster", client=client, **options)
     same_files(tmp_path / "here", tmp_path / "cluster")
+    plans = [d for d in scattered if isinstance(d, writer._Plan)]
+    assert len(plans) == 1 and plans[0].cell_order is None and len(plans[0].var) == 0
     assert dc.open_dataset(tmp_path / "cluster").manifest.n_tiles == 10
     dc.open_dataset(tmp_path / "cluster").verify()
 

@@ -8,6 +8,7 @@ written before the first pass succeeds. Tiles and shards appear atomically, the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import re
@@ -1204,12 +1205,14 @@ def _write_tiles(store, parts, plan, tile_size, n_chunks, level, n_threads, prog
 
 
 def _encode_tile_to(store: Store, parts, plan: _Plan, t: int, tile_size: int, n_chunks: int,
-                    level: int, n_threads, cache: dict,
-                    opened: OrderedDict) -> tuple[int, int, int, int]:  # fmt: skip
+                    level: int, n_threads, cache: dict, opened: OrderedDict,
+                    rows: np.ndarray | None = None) -> tuple[int, int, int, int]:  # fmt: skip
     """Encode tile ``t`` and write it; return what the manifest records of it (cells,
-    nonzeros, bytes, the header's CRC)."""
-    rows = _tile_rows(plan, t, tile_size)
-    matrix = _tile_matrix(parts, plan, rows, plan.cell_order is None, cache, opened)
+    nonzeros, bytes, the header's CRC). ``rows``: the tile's source rows of a reordered
+    write, when ``plan`` does not carry the cell order."""
+    in_order = rows is None and plan.cell_order is None
+    rows = _tile_rows(plan, t, tile_size) if rows is None else rows
+    matrix = _tile_matrix(parts, plan, rows, in_order, cache, opened)
     blob = encode_tile(matrix, n_chunks=n_chunks, level=level, n_threads=n_threads)
     store.write_atomic(tile_name(t), blob)
     nnz = int(np.frombuffer(blob, "<u8", 1, 24)[0])
@@ -1243,18 +1246,24 @@ TILES_PER_TASK = 4
 
 
 def _encode_task(inputs: tuple, layer, use_raw, plan: _Plan, tile_size: int, n_chunks: int,
-                 level: int, n_threads, store: Store, tiles: list[int]) -> list:  # fmt: skip
+                 level: int, n_threads, store: Store, tiles: list[int],
+                 tile_rows: list[np.ndarray] | None = None) -> list:  # fmt: skip
     """One dask task: open the inputs its tiles' rows are in, here (files are read by the
     worker, not shipped; their counts only, not obs and var), then encode and write
-    ``tiles``. The other inputs stay unopened: a task's cost does not grow with the atlas."""
-    rows = np.concatenate([_tile_rows(plan, t, tile_size) for t in tiles])
+    ``tiles`` (whose source rows are ``tile_rows`` in a reordered write). The other inputs
+    stay unopened: a task's cost does not grow with the atlas."""
+    reordered = tile_rows is not None
+    if tile_rows is None:
+        tile_rows = [_tile_rows(plan, t, tile_size) for t in tiles]
+    rows = np.concatenate(tile_rows)
     needed = set(np.unique(np.searchsorted(plan.offsets, rows, side="right") - 1).tolist())
     parts = [_open_part(item, layer, use_raw, tables=False) if p in needed else None
              for p, item in enumerate(inputs)]  # fmt: skip
     try:
         opened: OrderedDict = OrderedDict()
         return [(t, _encode_tile_to(store, parts, plan, t, tile_size, n_chunks, level,
-                                    n_threads, {}, opened)) for t in tiles]  # fmt: skip
+                                    n_threads, {}, opened, own if reordered else None))
+                for t, own in zip(tiles, tile_rows, strict=True)]  # fmt: skip
     finally:
         for part in parts:
             if part is not None:
@@ -1270,11 +1279,16 @@ def _write_tiles_distributed(client, store: Store, s: _Settings, plan: _Plan, pr
     # Files travel as paths; in-memory AnnData once per worker that needs it.
     inputs = tuple(client.scatter(item, broadcast=False) if isinstance(item, ad.AnnData)
                    else item for item in s.inputs)  # fmt: skip
-    plan_future = client.scatter(plan, broadcast=False)
+    # What every worker needs, without the per-cell arrays (a shuffled 100M-cell atlas's cell
+    # order is 800 MB): each task gets its own tiles' rows instead.
+    shared = dataclasses.replace(plan, cell_order=None, var=plan.var.iloc[:0], spatial=None)
+    plan_future = client.scatter(shared, broadcast=False)
     groups = [list(range(t, min(t + TILES_PER_TASK, n_tiles)))
               for t in range(0, n_tiles, TILES_PER_TASK)]  # fmt: skip
     futures = [client.submit(_encode_task, inputs, s.layer, s.use_raw, plan_future, s.tile_size,
                              s.n_chunks, s.zstd_level, s.n_threads, store, group,
+                             None if plan.cell_order is None
+                             else [_tile_rows(plan, t, s.tile_size) for t in group],
                              pure=False) for group in groups]  # fmt: skip
     records: dict[int, tuple] = {}
     bar = progress(range(n_tiles), total=n_tiles, desc="encoding tiles (dask)")
