@@ -277,6 +277,10 @@ def _json_scalar(value: Any) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
 
+#: Rows per batch of the temporary obs file of a reordered write.
+SPILL_ROWS = 1 << 20
+
+
 class TileObs:
     """The output obs of one tile at a time, as Arrow arrays.
 
@@ -294,7 +298,8 @@ class TileObs:
         self.reordered = reordered
         self._frames: dict[int, pd.DataFrame] = {}
         self._spill: Any = None  # the temporary directory of a reordered write
-        self._whole: pa.Table | None = None
+        self._batches: list[pa.RecordBatch] = []  # one per input, memory-mapped
+        self._starts = np.zeros(1, dtype=np.int64)
 
     def _input(self, p: int) -> pd.DataFrame:
         if p not in self._frames:
@@ -304,8 +309,7 @@ class TileObs:
     def arrays(self, rows: np.ndarray) -> list[pa.Array]:
         """The obs of global rows ``rows`` (consecutive unless reordered)."""
         if self.reordered:
-            taken = self._spilled().take(pa.array(rows, type=pa.int64()))
-            return [column.combine_chunks() for column in taken.columns]
+            return self._taken(rows)
         first, last = int(rows[0]), int(rows[-1]) + 1
         pieces = []
         for p in range(int(np.searchsorted(self.offsets, first, side="right")) - 1,
@@ -318,24 +322,46 @@ class TileObs:
             warnings.simplefilter("ignore", FutureWarning)
             return self.plan.arrays(self.plan.conform(_concat(pieces)))
 
-    def _spilled(self) -> pa.Table:
-        if self._whole is None:
-            import tempfile
+    def _taken(self, rows: np.ndarray) -> list[pa.Array]:
+        """Rows of the spilled obs, taken from each input's batch on its own: a take on the
+        whole (chunked) table would first copy every chunk into one array in memory."""
+        if self._spill is None:
+            self._spill_inputs()
+        which = np.searchsorted(self._starts, rows, side="right") - 1
+        order = np.argsort(which, kind="stable")
+        grouped = which[order]
+        cuts = np.flatnonzero(np.diff(grouped)) + 1
+        pieces = [self._batches[int(grouped[run[0]])].take(
+                      pa.array(rows[order[run]] - self._starts[grouped[run[0]]]))
+                  for run in np.split(np.arange(len(rows)), cuts) if len(run)]  # fmt: skip
+        inverse = np.empty(len(rows), dtype=np.int64)
+        inverse[order] = np.arange(len(rows))
+        table = pa.Table.from_batches(pieces, schema=self.arrow_schema).take(pa.array(inverse))
+        return [column.combine_chunks() for column in table.columns]
 
-            self._spill = tempfile.TemporaryDirectory(prefix="deltacells-obs-")
-            path = str(Path(self._spill.name) / "obs.arrow")
-            inputs = self.plan.inputs
-            with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, self.arrow_schema) as out:
-                for p in range(len(inputs)):
+    def _spill_inputs(self) -> None:
+        import tempfile
+
+        self._spill = tempfile.TemporaryDirectory(prefix="deltacells-obs-")
+        path = str(Path(self._spill.name) / "obs.arrow")
+        inputs = self.plan.inputs
+        with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, self.arrow_schema) as out:
+            for p in range(len(inputs)):
+                frame = inputs.frame(p)
+                # In slices: the Python strings made for one stay few, and no string array
+                # nears Arrow's 2 GiB per array.
+                for start in range(0, max(len(frame), 1), SPILL_ROWS):
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore", FutureWarning)
-                        arrays = self.plan.arrays(self.plan.conform(inputs.frame(p)))
-                    out.write_table(pa.Table.from_arrays(arrays, schema=self.arrow_schema))
-            self._whole = pa.ipc.open_file(pa.memory_map(path, "r")).read_all()
-        return self._whole
+                        piece = self.plan.conform(frame.iloc[start : start + SPILL_ROWS])
+                    out.write_batch(pa.RecordBatch.from_arrays(self.plan.arrays(piece),
+                                                               schema=self.arrow_schema))
+        reader = pa.ipc.open_file(pa.memory_map(path, "r"))
+        self._batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        self._starts = np.cumsum([0] + [b.num_rows for b in self._batches]).astype(np.int64)
 
     def close(self) -> None:
-        self._whole = None
+        self._batches = []
         if self._spill is not None:
             self._spill.cleanup()
             self._spill = None

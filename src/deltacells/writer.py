@@ -906,8 +906,9 @@ def write_deltacells(
     input files are open only while their counts are read, their obs is read one input at a
     time (once to plan the schema, once to write it) and a hash of each obs name is kept.
     Writing in another cell order (``shuffle``, ``cell_order``), where any tile may hold cells
-    of any input, goes through a temporary Arrow file of the encoded obs, memory-mapped, and
-    keeps the cell order (8 bytes per cell).
+    of any input, goes through a temporary Arrow file of the encoded obs, memory-mapped (in
+    the directory ``TMPDIR`` names, about the size of the encoded obs), and keeps the cell
+    order (8 bytes per cell).
     """
     chosen_tile_size = tile_size is not None
     tile_size = DEFAULT_TILE_SIZE if tile_size is None else tile_size
