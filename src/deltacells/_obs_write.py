@@ -48,7 +48,6 @@ class ObsInputs:
     def __init__(self, readers: Sequence[Callable[[], pd.DataFrame]], labels: Sequence[str],
                  exclude: Sequence[str], list_input: bool) -> None:  # fmt: skip
         self.readers = list(readers)
-        self.labels = list(labels)
         self.exclude = list(exclude)
         self.file_names = [Path(label).name for label in labels] if list_input else None
         self._categories = list(dict.fromkeys(self.file_names or []))
@@ -60,9 +59,9 @@ class ObsInputs:
         obs = self.readers[p]()
         frame = obs.drop(columns=[c for c in self.exclude if c in obs.columns])
         if self.file_names is not None:
-            name = self.file_names[p]
-            frame = frame.assign(**{SOURCE_FILE_COLUMN: pd.Categorical(
-                [name] * len(frame), categories=self._categories)})  # fmt: skip
+            code = self._categories.index(self.file_names[p])
+            frame = frame.assign(**{SOURCE_FILE_COLUMN: pd.Categorical.from_codes(
+                np.full(len(frame), code, dtype=np.int32), categories=self._categories)})
         return frame
 
 
