@@ -66,8 +66,9 @@ def test_files_on_a_cluster_are_byte_identical(client, inputs, tmp_path, shuffle
 
 def test_pass_one_runs_as_tasks_on_the_cluster(client, inputs, tmp_path, monkeypatch):
     """Checking counts and adding up gene totals runs as tasks of a few blocks per input
-    (here one block each), on the workers: the same bytes, also with counts above 65535
-    (chung: the tile size their exceptions allow is found by the tasks)."""
+    (here one block each), on the workers, and so does summarising each input's obs: the
+    same bytes, also with counts above 65535 (chung: the tile size their exceptions allow is
+    found by the tasks)."""
     from conftest import DATA_DIR
 
     from deltacells import writer
@@ -80,6 +81,9 @@ def test_pass_one_runs_as_tasks_on_the_cluster(client, inputs, tmp_path, monkeyp
             dc.write_deltacells(sources, tmp_path / f"{name}-cluster", client=client, **options)
         same_files(tmp_path / f"{name}-here", tmp_path / f"{name}-cluster")
         checks = [t for t in stream.data if str(t["key"]).startswith("_check_task")]
+        # obs is summarised for planning by a task per input too
+        summaries = [t for t in stream.data if str(t["key"]).startswith("_obs_summary_task")]
+        assert len(summaries) == len(sources)
         n_obs = [dc.open_dataset(tmp_path / f"{name}-here").shape[0]] if name == "chung" \
             else [700, 800, 900]  # fmt: skip
         block = 250 if name == "atlas" else dc.open_dataset(tmp_path / "chung-here").manifest \

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ class ObsInputs:
     def __init__(self, readers: Sequence[Callable[[], pd.DataFrame]], labels: Sequence[str],
                  exclude: Sequence[str], list_input: bool) -> None:  # fmt: skip
         self.readers = list(readers)
+        self.labels = list(labels)
         self.exclude = list(exclude)
         self.file_names = [Path(label).name for label in labels] if list_input else None
         self._categories = list(dict.fromkeys(self.file_names or []))
@@ -129,21 +130,21 @@ def _value_kind(series: pd.Series) -> tuple[str, np.ndarray]:
 
 
 class _ColumnStats:
-    """One column's value kinds and distinct values over the inputs read so far."""
+    """One column's value kinds and distinct values over the inputs merged so far."""
 
     def __init__(self) -> None:
         self.kinds: list[str] = []
         self.values: set | None = set()  # None: more distinct values than tracked
 
-    def add(self, series: pd.Series, limit: int) -> None:
-        kind, values = _value_kind(series)
+    def merge(self, kind: str, distinct: set | None, limit: int) -> None:
+        """Add one input's :func:`_column_summary`."""
         self.kinds.append(kind)
         if self.values is None or kind == "empty":
             return
-        if kind != "string":  # only strings become categories (others are refused or kept)
+        if distinct is None:  # not strings (refused or kept as they are), or too many
             self.values = None
             return
-        self.values.update(pd.unique(values))
+        self.values |= distinct
         if len(self.values) > limit:
             self.values = None
 
@@ -160,6 +161,35 @@ class _ColumnStats:
         return "mixed-integer" if "integer" in distinct else "mixed"
 
 
+def _column_summary(series: pd.Series, limit: int) -> tuple[str, set | None]:
+    """One input's column: the kind of its present values and, for strings, their distinct
+    values (None beyond ``limit``: only strings become categories)."""
+    kind, values = _value_kind(series)
+    if kind != "string":
+        return kind, None
+    distinct = set(pd.unique(values))
+    return kind, distinct if len(distinct) <= limit else None
+
+
+@dataclass
+class InputSummary:
+    """What planning keeps of one input's obs (see :func:`summarize`)."""
+
+    representative: pd.DataFrame
+    columns: list[tuple[Any, str, set | None]]  # label, kind, distinct strings
+    hashes: np.ndarray  # uint64, one per obs name
+
+
+def summarize(frame: pd.DataFrame, max_categories: int) -> InputSummary:
+    """One input's obs (as :meth:`ObsInputs.frame` gives it) summarised for planning: run
+    in this process or, for files, as a task on the worker that reads the file."""
+    _check_names(frame.columns)
+    columns = [(column, *_column_summary(frame.iloc[:, i], max_categories))
+               for i, column in enumerate(frame.columns)]  # fmt: skip
+    names = np.asarray(frame.index.astype(str), dtype=object)
+    return InputSummary(_representative_rows(frame), columns, pd.util.hash_array(names))
+
+
 def _check_names(columns: pd.Index) -> None:
     if OBS_INDEX_COLUMN in columns:
         raise ValueError(f"obs has a column named {OBS_INDEX_COLUMN!r}, which holds obs_names")
@@ -172,19 +202,19 @@ def _check_names(columns: pd.Index) -> None:
         )
 
 
-def plan_obs(inputs: ObsInputs, max_categories: int) -> ObsPlan:
-    """Read each input's obs once and plan the output's (see the module docstring)."""
+def plan_obs(inputs: ObsInputs, max_categories: int,
+             summaries: Iterable[InputSummary] | None = None) -> ObsPlan:  # fmt: skip
+    """Plan the output obs from each input's :class:`InputSummary`, in input order (made
+    here, reading each input's obs once, unless given; see the module docstring)."""
+    if summaries is None:
+        summaries = (summarize(inputs.frame(p), max_categories) for p in range(len(inputs)))
     representatives, hashes = [], []
     stats: dict[Any, _ColumnStats] = {}
-    for p in range(len(inputs)):
-        frame = inputs.frame(p)
-        _check_names(frame.columns)
-        representatives.append(_representative_rows(frame))
-        for i, column in enumerate(frame.columns):
-            stats.setdefault(column, _ColumnStats()).add(frame.iloc[:, i], max_categories)
-        names = np.asarray(frame.index.astype(str), dtype=object)
-        hashes.append(pd.util.hash_array(names))
-        del frame, names
+    for summary in summaries:
+        representatives.append(summary.representative)
+        for column, kind, distinct in summary.columns:
+            stats.setdefault(column, _ColumnStats()).merge(kind, distinct, max_categories)
+        hashes.append(summary.hashes)
     combined = _concat(representatives)
     _check_names(combined.columns)
     record = pandas_record(combined)

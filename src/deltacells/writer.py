@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 import scipy.sparse as sp
 
 from deltacells import _kernels
-from deltacells._obs_write import ObsInputs, plan_obs, write_obs
+from deltacells._obs_write import InputSummary, ObsInputs, plan_obs, summarize, write_obs
 from deltacells.codec import (
     DEFAULT_LEVEL,
     DEFAULT_N_CHUNKS,
@@ -584,6 +584,28 @@ def _check_and_total_distributed(client, sources: list, parts: list[_Part], laye
     return totals, fitting
 
 
+def _obs_summary_task(item: Any, layer, use_raw, labels: list[str], exclude: Sequence[str],
+                      list_input: bool, p: int, max_categories: int) -> InputSummary:  # fmt: skip
+    """One dask task: input ``p``'s obs read on the worker and summarised for planning."""
+    readers: list = [None] * len(labels)
+    readers[p] = _open_part(item, layer, use_raw, tables=False).read_obs
+    return summarize(ObsInputs(readers, labels, exclude, list_input).frame(p), max_categories)
+
+
+def _obs_summaries_distributed(client, sources: list, layer, use_raw, inputs: ObsInputs,
+                               max_categories: int, progress
+                               ) -> Iterator[InputSummary]:  # fmt: skip
+    """Each input's obs summary made by a task, yielded in input order (each released once
+    used, so this process holds one at a time)."""
+    futures = [client.submit(_obs_summary_task, item, layer, use_raw, inputs.labels,
+                             inputs.exclude, inputs.file_names is not None, p, max_categories,
+                             pure=False) for p, item in enumerate(sources)]  # fmt: skip
+    for future in progress(futures, total=len(futures), desc="planning obs (dask)"):
+        summary = future.result()
+        future.release()
+        yield summary
+
+
 def _cells_per_tile_for_exceptions(indptr: np.ndarray, data: np.ndarray, cells: int) -> int:
     """The most cells per tile this block allows: every run of that many cells holds at most
     ``exception_limit`` counts above 65535 (runs over the block's cells, in order)."""
@@ -862,8 +884,9 @@ def write_deltacells(
         many worker processes started for this write. Each task opens the input files on its
         worker (in-memory AnnData are scattered once) and writes its tiles to ``path``, which
         all workers must reach (a shared directory or an object store). When every input is a
-        file, the first pass (checks, gene totals) runs as tasks too; obs, the var table and
-        the manifest are written by this process. 1 and no client: everything here.
+        file, the first pass (checks, gene totals, a summary of each input's obs) runs as
+        tasks too; obs, the var table and the manifest are written by this process. 1 and no
+        client: everything here.
     overwrite
         Replace an existing dataset at ``path``.
     progress
@@ -933,18 +956,25 @@ def write_deltacells(
                              else f"{parts[0].label}: the input has no genes")  # fmt: skip
         if any("\n" in str(name) for name in var_names):
             raise ValueError("a gene name contains a newline, which var_names.txt cannot hold")
-        obs_plan = plan_obs(ObsInputs([p.read_obs for p in parts], [p.label for p in parts],
-                                      obs_exclude, len(sources) > 1),
-                            max_categories) if obs else None  # fmt: skip
         on_disk = any(not p.in_memory for p in parts)
         # Blocks kept from pass 1 serve pass 2 only when both read the source in order.
         reordered = shuffle or cell_order is not None or spatial_key is not None \
             or shapes is not None  # fmt: skip
         dask_client = client if client is not None else (
             cluster.enter_context(_local_client(n_workers)) if n_workers > 1 else None)
+        files_on_cluster = dask_client is not None and all(
+            isinstance(item, str | os.PathLike) for item in sources)
+        obs_plan = None
+        if obs:
+            obs_inputs = ObsInputs([p.read_obs for p in parts], [p.label for p in parts],
+                                   obs_exclude, len(sources) > 1)  # fmt: skip
+            # Files on a cluster: each worker summarises the obs of the files it reads.
+            summaries = _obs_summaries_distributed(
+                dask_client, sources, layer, use_raw, obs_inputs, max_categories,
+                progress_bar) if files_on_cluster else None  # fmt: skip
+            obs_plan = plan_obs(obs_inputs, max_categories, summaries)
         cache: dict = {}
-        if dask_client is not None and all(isinstance(item, str | os.PathLike)
-                                           for item in sources):  # fmt: skip
+        if files_on_cluster:
             totals, fitting = _check_and_total_distributed(
                 dask_client, sources, parts, layer, use_raw, col_maps, n_genes, tile_size,
                 progress_bar)  # fmt: skip
