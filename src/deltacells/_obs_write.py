@@ -109,10 +109,10 @@ def _representative_rows(frame: pd.DataFrame) -> pd.DataFrame:
     missing = frame.isna().to_numpy()
     rows = set()
     for column in missing.T:
-        for wanted in (True, False):
-            hits = np.flatnonzero(column == wanted)
-            if len(hits):
-                rows.add(int(hits[0]))
+        if column.any():
+            rows.add(int(column.argmax()))  # the first missing value
+        if not column.all():
+            rows.add(int((~column).argmax()))  # the first present one
     return frame.iloc[sorted(rows)]
 
 

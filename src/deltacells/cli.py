@@ -18,10 +18,10 @@ from deltacells.writer import DEFAULT_TILE_SIZE, JOINS, write_deltacells
 __all__ = ["main"]
 
 
-
 def _count(n: int, noun: str) -> str:
     """``"1 tile"``, ``"2 tiles"``."""
     return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
 
 def _convert(args: argparse.Namespace) -> int:
     import warnings

@@ -511,6 +511,7 @@ class Store:
                     return os.pread(f.fileno(), stop - start, start)
 
             return self._retrying("ranged read", name, read)
+
         def fetch() -> bytes:
             try:
                 return self._fs.cat_file(self._path(name), start=start, end=stop)

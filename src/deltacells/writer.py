@@ -679,6 +679,7 @@ def _tile_matrix(
     any input: the inputs used last stay open (in ``opened``), up to :func:`_max_open_inputs`.
     """
     pieces, positions = [], []
+    keep_open = _max_open_inputs() if opened is not None else 0
     part_of = np.searchsorted(plan.offsets, rows, side="right") - 1
     for p in np.unique(part_of):
         mine = np.flatnonzero(part_of == p)
@@ -694,7 +695,7 @@ def _tile_matrix(
             if opened is not None:
                 opened[p] = None
                 opened.move_to_end(p)
-                while len(opened) > _max_open_inputs():
+                while len(opened) > keep_open:
                     parts[opened.popitem(last=False)[0]].release()
         pieces.append(_remap_columns(sp.csr_matrix(block), plan.col_maps[p], plan.n_genes))
         positions.append(mine)
