@@ -147,6 +147,13 @@ def test_elements_can_be_skipped_and_lists_warn(tmp_path):
     assert not bare.obsm and not bare.uns and "counts" in bare.layers
     with pytest.warns(ElementsWarning, match="keeps X, obs and var only; obsm"):
         dc.write_deltacells([source, source], tmp_path / "atlas", progress=False)
+    # Files say so too (their groups are listed, not read), naming what any of them has:
+    # chung has uns, visium obsm and uns.
+    from conftest import DATA_DIR
+
+    files = [DATA_DIR / "chung2017_smartseq2.h5ad", DATA_DIR / "visium_multisample.h5ad"]
+    with pytest.warns(ElementsWarning, match="keeps X, obs and var only; obsm, uns are"):
+        dc.write_deltacells(files, tmp_path / "files", join="inner", progress=False)
     dc.write_deltacells(source, tmp_path / "plain", elements=False, progress=False)
     assert dc.open_dataset(tmp_path / "plain").manifest.metadata["anndata"] is None
 

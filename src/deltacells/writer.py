@@ -566,7 +566,8 @@ def _check_and_total_distributed(client, sources: list, parts: list[_Part], laye
     futures = {client.submit(_check_task, sources[p], layer, use_raw, start, stop, block_size,
                              pure=False): (p, start) for p, start, stop in jobs}  # fmt: skip
     results: dict[tuple[int, int], tuple] = {}
-    bar = iter(progress(range(len(jobs)), total=len(jobs), desc="checking counts (dask)"))
+    bar = iter(progress(range(len(jobs)), total=len(jobs), desc="checking counts (dask)",
+                         unit="task"))
     next(bar, None)
     for future in as_completed(futures):
         results[futures[future]] = future.result()
@@ -600,7 +601,8 @@ def _obs_summaries_distributed(client, sources: list, layer, use_raw, inputs: Ob
     futures = [client.submit(_obs_summary_task, item, layer, use_raw, inputs.labels,
                              inputs.exclude, inputs.file_names is not None, p, max_categories,
                              pure=False) for p, item in enumerate(sources)]  # fmt: skip
-    for future in progress(futures, total=len(futures), desc="planning obs (dask)"):
+    for future in progress(futures, total=len(futures), desc="planning obs (dask)",
+                           unit="input"):
         summary = future.result()
         future.release()
         yield summary
@@ -711,7 +713,7 @@ def _progress_factory(progress: bool) -> Callable:
     from tqdm.auto import tqdm
 
     # The bars stay as a one-line summary of each pass once it is done.
-    return lambda iterable, **kwargs: tqdm(iterable, unit="tile", **kwargs)
+    return lambda iterable, **kwargs: tqdm(iterable, **{"unit": "tile", **kwargs})
 
 
 #: Names a dataset written by this package may hold (FORMAT.md's layout plus the writer's
@@ -1192,23 +1194,35 @@ def _npy_bytes(array: np.ndarray) -> bytes:
 
 
 def _warn_if_dropped(sources: list) -> None:
-    """Lists of inputs keep X, obs and var: say so when an in-memory input has more."""
+    """Lists of inputs keep X, obs and var: say so, once, naming what any input (in memory or
+    a file) has beyond them (a file's groups are only listed, not read)."""
     import warnings
 
+    from deltacells._extras import has_raw
     from deltacells.elements import ELEMENTS, ElementsWarning
 
+    names = (*ELEMENTS, "layers")
+    found: set[str] = set()
     for item in sources:
         if isinstance(item, ad.AnnData):
-            extra = [n for n in (*ELEMENTS, "layers") if len(getattr(item, n))]
-            extra += ["raw"] if item.raw is not None else []
-            if extra:
-                warnings.warn(
-                    f"writing a list of inputs keeps X, obs and var only; {', '.join(extra)} "
-                    "are left out (write each input on its own to keep them)",
-                    ElementsWarning,
-                    stacklevel=3,
-                )
-                return
+            found.update(n for n in names if len(getattr(item, n)))
+            found.update(["raw"] if item.raw is not None else [])
+        else:
+            group, closers = _open_group(Path(item))
+            try:
+                found.update(n for n in names if n in group and len(group[n]))
+                found.update(["raw"] if has_raw(group) else [])
+            finally:
+                for close in closers:
+                    close()
+    extra = [n for n in (*names, "raw") if n in found]
+    if extra:
+        warnings.warn(
+            f"writing a list of inputs keeps X, obs and var only; {', '.join(extra)} "
+            "are left out (write each input on its own to keep them)",
+            ElementsWarning,
+            stacklevel=3,
+        )
 
 
 def _package_version() -> str:
