@@ -12,6 +12,7 @@ from test_writer import small_adata
 
 import deltacells as dc
 from deltacells.manifest import Manifest
+from deltacells.testing import reseal
 
 
 @pytest.fixture
@@ -21,10 +22,12 @@ def dataset_dir(tmp_path):
 
 
 def edit_manifest(root, **changes):
+    """Change manifest values and seal it anew (as a deliberate edit would), so the checks
+    behind the manifest's digest are reached."""
     path = root / "manifest.json"
     obj = json.loads(path.read_text())
     obj.update(changes)
-    path.write_text(json.dumps(obj))
+    reseal(root, obj)
 
 
 @pytest.mark.parametrize(
@@ -92,7 +95,7 @@ def test_obs_shard_size_must_match_manifest(dataset_dir):
 def test_tile_counts_must_match_manifest(dataset_dir):
     obj = json.loads((dataset_dir / "manifest.json").read_text())
     obj["tile_nnz"][0] += 1
-    (dataset_dir / "manifest.json").write_text(json.dumps(obj))
+    reseal(dataset_dir, obj)
     with pytest.raises(dc.FormatError, match="the manifest says"):
         dc.open_dataset(dataset_dir).tile(0)
 
@@ -112,6 +115,9 @@ def test_missing_tile_and_wrong_shard_hash(dataset_dir):
 
 def test_gene_order_file_must_be_a_permutation(dataset_dir):
     np.save(dataset_dir / "gene_order.npy", np.zeros(120, dtype=np.int32))
+    with pytest.raises(dc.FormatError, match=r"gene_order\.npy: SHA-256 .* file table"):
+        dc.open_dataset(dataset_dir).gene_order()
+    reseal(dataset_dir)  # a deliberate edit recorded anew: the permutation check stands
     with pytest.raises(dc.FormatError, match="not a permutation"):
         dc.open_dataset(dataset_dir).gene_order()
 

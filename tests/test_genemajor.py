@@ -15,6 +15,7 @@ from test_writer import small_adata
 import deltacells as dc
 from deltacells.cli import main
 from deltacells.genemajor import add_gene_major, block_name
+from deltacells.testing import reseal
 
 LIAO = DATA_DIR / "liao2020_balf.h5ad"
 
@@ -33,7 +34,7 @@ def test_blocks_and_record(liao):
     assert record["n_blocks"] == 3 and record["block_cells"] == 4000
     assert sum(record["block_nnz"]) == X.nnz
     assert sorted(p.name for p in (root / "genes").iterdir()) == [
-        "block_000000.dct", "block_000001.dct", "block_000002.dct"]  # fmt: skip
+        "block_000000.dct", "block_000001.dct", "block_000002.dct", "chunk_crc32.bin"]  # fmt: skip
     info = dc.open_dataset(root).info()["gene_major"]
     assert info["n_blocks"] == 3 and info["bytes"] == sum(record["block_bytes"])
 
@@ -107,7 +108,15 @@ def test_verify_checks_the_companion(liao, tmp_path, capsys):
     theirs = json.loads((other / "manifest.json").read_text())["metadata"]["gene_major"]
     for key in ("block_bytes", "block_crc32", "block_nnz"):
         manifest["metadata"]["gene_major"][key][1] = theirs[key][1]
-    path.write_text(json.dumps(manifest))
+    # ... and its chunk checksum row, so that only the comparison with the tiles can tell.
+    ours_sums, their_sums = manifest["metadata"]["gene_major"]["chunk_sums"], theirs["chunk_sums"]
+    assert ours_sums["slots"] == their_sums["slots"]
+    width = 4 * (ours_sums["slots"] + 2)
+    rows = bytearray((root / "genes" / "chunk_crc32.bin").read_bytes())
+    rows[width : 2 * width] = (other / "genes" / "chunk_crc32.bin").read_bytes()[width : 2 * width]
+    (root / "genes" / "chunk_crc32.bin").write_bytes(bytes(rows))
+    ours_sums["row_crc32"][1] = their_sums["row_crc32"][1]
+    reseal(root, manifest)
     assert main(["verify", str(root)]) == 1
     assert "does not match the cell-major tiles of cells 4000:8000" in capsys.readouterr().err
 
@@ -141,7 +150,7 @@ def test_bad_records(small, key, value, match):
     path = root / "manifest.json"
     manifest = json.loads(path.read_text())
     manifest["metadata"]["gene_major"][key] = value
-    path.write_text(json.dumps(manifest))
+    reseal(root, manifest)
     with pytest.raises(dc.FormatError, match=match):
         dc.open_dataset(root).genes(0)
 

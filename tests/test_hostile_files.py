@@ -23,6 +23,7 @@ from deltacells.cli import main
 from deltacells.format import LimitError, get_limits, set_limits
 from deltacells.manifest import obs_fingerprint
 from deltacells.obscache import ObsCache
+from deltacells.testing import reseal
 
 
 @pytest.fixture
@@ -37,7 +38,9 @@ def load_manifest(root) -> dict:
 
 
 def save_manifest(root, obj) -> None:
-    (root / "manifest.json").write_text(json.dumps(obj))
+    """Write a changed manifest sealed anew (a deliberate edit), with the file table's
+    records of the files now there: what stands behind the digest is then tested."""
+    reseal(root, obj)
 
 
 def verify_fails(root, capsys, match: str) -> None:
@@ -94,6 +97,7 @@ def test_duplicate_json_keys_are_refused(dataset_dir):
 def test_duplicate_keys_in_the_obs_schema(dataset_dir):
     path = dataset_dir / "obs" / "schema.json"
     path.write_text(path.read_text().replace('"version": 1', '"version": 1, "version": 1'))
+    reseal(dataset_dir)
     with pytest.raises(dc.FormatError, match=r"schema\.json: not valid JSON .*appears twice"):
         dc.open_dataset(dataset_dir).obs_schema()
 
@@ -133,6 +137,8 @@ def test_repeated_obs_names_as_written_still_verify(tmp_path):
 
 def test_empty_gene_order(dataset_dir, capsys):
     (dataset_dir / "gene_order.npy").write_bytes(b"")
+    verify_fails(dataset_dir, capsys, r"gene_order\.npy: 0 bytes, the manifest says")
+    reseal(dataset_dir)
     verify_fails(dataset_dir, capsys, r"gene_order\.npy: not a \.npy array")
 
 
@@ -143,12 +149,14 @@ def test_npy_header_claiming_2_to_the_40_entries(dataset_dir, capsys):
         header, {"descr": "<i4", "fortran_order": False, "shape": (2**40,)}
     )
     (dataset_dir / "gene_order.npy").write_bytes(header.getvalue() + b"\0" * 4 * m["n_genes"])
+    reseal(dataset_dir)
     verify_fails(dataset_dir, capsys, r"gene_order\.npy: expected 120 integers")
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(
         header, {"descr": "<i4", "fortran_order": False, "shape": (m["n_genes"],)}
     )
     (dataset_dir / "gene_order.npy").write_bytes(header.getvalue() + b"\0" * 7)  # truncated
+    reseal(dataset_dir)
     verify_fails(dataset_dir, capsys, r"gene_order\.npy: holds 7 bytes of data")
 
 
@@ -156,6 +164,7 @@ def test_gene_order_of_the_wrong_dtype(dataset_dir, capsys):
     buffer = io.BytesIO()
     np.save(buffer, np.arange(120, dtype=np.float64))
     (dataset_dir / "gene_order.npy").write_bytes(buffer.getvalue())
+    reseal(dataset_dir)
     verify_fails(dataset_dir, capsys, r"gene_order\.npy: expected 120 integers, got float64")
 
 
@@ -170,6 +179,7 @@ def test_out_of_range_integers_in_the_manifest(dataset_dir, value):
 
 def test_var_names_that_are_not_utf8(dataset_dir, capsys):
     (dataset_dir / "var_names.txt").write_bytes(b"\xff\xfe" * 200)
+    reseal(dataset_dir)
     verify_fails(dataset_dir, capsys, r"var_names\.txt: not UTF-8")
 
 

@@ -20,6 +20,7 @@ from deltacells.spatial import (
     select_in_box,
     tile_ids,
 )
+from deltacells.testing import reseal
 
 VISIUM = DATA_DIR / "visium_multisample.h5ad"
 
@@ -245,7 +246,7 @@ def test_bad_spatial_index(small_spatial, key, value, match):
     path = small_spatial / "manifest.json"
     manifest = json.loads(path.read_text())
     manifest["metadata"]["spatial_index"][key] = value
-    path.write_text(json.dumps(manifest))
+    reseal(small_spatial, manifest)
     with pytest.raises(dc.FormatError, match=match):
         dc.open_dataset(small_spatial).query_bbox((0, 0, 10, 10))
 
@@ -255,6 +256,9 @@ def test_tile_offsets_that_do_not_rise(small_spatial):
     offsets = np.load(path)
     offsets[3], offsets[4] = offsets[4] + 1, offsets[3]
     np.save(path, offsets)
+    with pytest.raises(dc.FormatError, match=r"tile_offsets\.npy: SHA-256"):
+        dc.open_dataset(small_spatial).query_bbox((0, 0, 10, 10))
+    reseal(small_spatial)
     with pytest.raises(dc.FormatError, match=r"tile_offsets\.npy: tile offsets must rise"):
         dc.open_dataset(small_spatial).query_bbox((0, 0, 10, 10))
 
@@ -310,7 +314,7 @@ def test_circles_intersect_exactly_and_need_the_margin(tmp_path):
     path = root / "manifest.json"
     manifest = json.loads(path.read_text())
     manifest["metadata"]["spatial_index"]["margin"] = [0.0, 0.0]
-    path.write_text(json.dumps(manifest))
+    reseal(root, manifest)
     no_margin = dc.open_dataset(root)
     for box in random_boxes(c, 80, seed=2):
         missed_without_margin += len(np.setdiff1d(dataset.query_bbox(box).rows,
@@ -373,6 +377,9 @@ def test_verify_checks_the_spatial_part(small_spatial, capsys):
     centroids[[0, -1]] = centroids[[-1, 0]]
     np.save(path, centroids)
     assert main(["verify", str(small_spatial)]) == 1
+    assert "centroids.npy: SHA-256" in capsys.readouterr().err
+    reseal(small_spatial)  # recorded anew: the grid check itself must see it
+    assert main(["verify", str(small_spatial)]) == 1
     assert "lies outside the grid tile" in capsys.readouterr().err
 
 
@@ -427,5 +434,8 @@ def test_source_row_order_of_a_shuffled_dataset(tmp_path):
 
 def test_damaged_cell_order_is_refused(small_spatial):
     np.save(small_spatial / "cell_order.npy", np.zeros(300, dtype=np.int64))
+    with pytest.raises(dc.FormatError, match=r"cell_order\.npy: SHA-256"):
+        dc.read_deltacells(small_spatial, row_order="source")
+    reseal(small_spatial)
     with pytest.raises(dc.FormatError, match="not a permutation"):
         dc.read_deltacells(small_spatial, row_order="source")

@@ -14,6 +14,7 @@ from test_writer import small_adata
 
 import deltacells as dc
 from deltacells.elements import ElementsWarning
+from deltacells.testing import reseal
 
 
 def assert_equal(actual, expected) -> None:
@@ -182,7 +183,7 @@ def test_a_layer_location_outside_the_dataset_is_refused(tmp_path):
     path = tmp_path / "d" / "manifest.json"
     manifest = json.loads(path.read_text())
     manifest["metadata"]["anndata"]["layers"]["counts"] = "../elsewhere"
-    path.write_text(json.dumps(manifest))
+    reseal(tmp_path / "d", manifest)
     with pytest.raises(dc.FormatError, match="malformed layer location"):
         dc.read_deltacells(tmp_path / "d")
 
@@ -253,7 +254,7 @@ def test_hostile_dtype_records_are_refused(tmp_path):
     path = tmp_path / "d" / "manifest.json"
     manifest = json.loads(path.read_text())
     manifest["metadata"]["obs_pandas"]["bool"] = {"dtype": "datetime64[ns]"}
-    path.write_text(json.dumps(manifest))
+    reseal(tmp_path / "d", manifest)
     with pytest.raises(dc.FormatError, match="recorded dtype 'datetime64"):
         dc.read_deltacells(tmp_path / "d", cache_dir=tmp_path / "cache")
 

@@ -16,11 +16,13 @@ from deltacells.spatial import (
     CIRCLE,
     GEOMETRY_NAME,
     GEOMETRY_OFFSETS_NAME,
+    GRID_SUMS_NAME,
     POINT,
     SHAPES_NAME,
     TILE_OFFSETS_NAME,
     SpatialIndex,
     choose_grid,
+    grid_checksums,
     margin_of,
     tile_ids,
 )
@@ -50,6 +52,7 @@ class SpatialPlan:
             offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
             out[GEOMETRY_OFFSETS_NAME] = _npy_bytes(offsets)
             out[GEOMETRY_NAME] = b"".join(self.wkb)
+        out[GRID_SUMS_NAME] = _npy_bytes(grid_checksums(out, self.tile_offsets))
         return out
 
 

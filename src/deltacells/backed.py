@@ -25,7 +25,7 @@ from deltacells.dataset import (
     open_dataset,
     reopen_dataset,
 )
-from deltacells.format import FormatError
+from deltacells.format import FormatError, LimitError, get_limits
 from deltacells.manifest import MANIFEST_NAME, StoredParts, tile_name
 from deltacells.obs_dtypes import restore_dtypes
 from deltacells.obscache import ObsCache
@@ -242,11 +242,15 @@ class DeltacellsCSRDataset(CSRDataset):
     def _get_rows_ranged(self, rows: np.ndarray) -> sp.csr_matrix:
         """Rows by ranged reads of the chunks holding them (header, chunk table, indptr slice
         and frames of each run of touched chunks; see :class:`~deltacells.ranged.RangedTile`).
-        The tiles' CRCs are not checked this way: every other check is."""
+        Every piece is checked against the tiles' chunk checksums; a dataset written before
+        them is read by whole tiles instead (their CRC-32 is the only check there is)."""
         from deltacells.ranged import RangedTile
 
         m = self.dataset.manifest
         store = self.dataset.store
+        sums = self.dataset.tile_sums
+        if sums is None:
+            return self._get_rows_whole(rows)
         order = np.argsort(rows, kind="stable")
         ordered = rows[order]
         tile_of = np.searchsorted(self._limits, ordered, side="right")
@@ -261,7 +265,8 @@ class DeltacellsCSRDataset(CSRDataset):
 
         def plan(t: int):
             local = ordered[tile_of == t] - self._starts[t]
-            ranged = RangedTile(store, tile_name(t), m.tile_bytes[t])
+            ranged = RangedTile(store, tile_name(t), m.tile_bytes[t], checksums=lambda header:
+                                sums.row(t, header, store.read_range, store.describe))  # fmt: skip
             chunk_ends = ranged.chunk_table()[:, 1].astype(np.int64)
             chunk_of = np.searchsorted(chunk_ends, local, side="right")
             # Runs of consecutive touched chunks are read together.
@@ -768,17 +773,18 @@ def _stored_parts(dataset: Dataset, X: Any, elements: bool | str, options: dict)
         if location == ".":
             layers[name] = X
             continue
-        sub = open_dataset(store.child(location))
+        sub = dataset.open_nested(location)
         if sub.shape != dataset.shape:
             raise FormatError(f"{where}: layer {name!r} has shape {sub.shape}")
         layers[name] = _lazy_matrix(sub, options)
     if parts.raw == "raw":
-        sub = open_dataset(store.child(parts.raw))
+        sub = dataset.open_nested(parts.raw)
         if sub.shape[0] != dataset.shape[0]:
             raise FormatError(f"{where}: raw has {sub.shape[0]} cells, X {dataset.shape[0]}")
         out["raw"] = {"X": _lazy_matrix(sub, options), "var": _var(sub, options["column_order"])}
     if elements and parts.elements:
-        stored = read_elements(store, list(parts.elements), lazy=elements == "lazy")
+        stored = read_elements(store, list(parts.elements), lazy=elements == "lazy",
+                               files=dataset.files)  # fmt: skip
         layers |= stored.pop("layers", {})
         order = dataset.gene_order()
         if options["column_order"] == "stored" and order is not None:
@@ -804,12 +810,34 @@ def _var(dataset: Dataset, column_order: str) -> pd.DataFrame:
     if var is None:
         names = dataset.var_names()
         var = pd.DataFrame(index=pd.Index(names if names is not None else
-                                          [str(i) for i in range(dataset.shape[1])]))  # fmt: skip
+                                          _default_var_names(dataset)))  # fmt: skip
     var.index = var.index.astype(str)
     order = dataset.gene_order()
     if column_order == "source" and order is not None:
         var = var.iloc[np.argsort(order)]
     return var
+
+
+#: What a default gene name costs in memory, about (a short Python string and its pointer).
+_NAME_BYTES = 64
+
+
+def _default_var_names(dataset: Dataset) -> list[str]:
+    """``"0" .. "n-1"`` for a dataset without stored gene names, once the tiles show that the
+    manifest's gene count is in proportion to the bytes stored: a small manifest claiming 2^31
+    genes must not make this build two billion names."""
+    m = dataset.manifest
+    if m.n_tiles:
+        dataset.check_tile_sizes(sorted({0, m.n_tiles - 1}))
+    budget = get_limits().decoded_budget(sum(m.tile_bytes))
+    if _NAME_BYTES * m.n_genes > budget:
+        raise LimitError(
+            f"{dataset.store.describe(MANIFEST_NAME)}: {m.n_genes} genes without stored names "
+            f"would take about {_NAME_BYTES * m.n_genes} bytes of default names, more than the "
+            f"limit of {int(budget)} for {sum(m.tile_bytes)} stored bytes (a damaged n_genes?; "
+            "deltacells.set_limits(decoded_ratio=...) raises it)"
+        )
+    return [str(i) for i in range(m.n_genes)]
 
 
 def _obs(dataset: Dataset, obs: bool | Sequence[str], cache_dir) -> pd.DataFrame:

@@ -152,6 +152,10 @@ def _info(args: argparse.Namespace) -> int:
         g = info["gene_major"]
         print(f"  gene-major       {g['n_blocks']} blocks of up to {g['block_cells']:,} cells, "
               f"{g['chunk_genes']} genes per chunk, {g['bytes']:,} bytes")  # fmt: skip
+    unchecked = info["unchecked"]
+    print(f"  integrity        {'every stored byte checked on read' if not unchecked else ''}")
+    for part in unchecked:
+        print(f"    not protected: {part}")
     return 0
 
 
@@ -186,15 +190,21 @@ def _add_gene_major(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     if args.json:
+        problems: list[str] = []
+        unchecked: list[str] = []
+        n_tiles = None
         try:
             dataset = open_dataset(args.path)
-            dataset.verify()
+            n_tiles = dataset.manifest.n_tiles
+            unchecked = dataset.unchecked_parts()
+            problems = dataset.problems()
         except (FormatError, FileNotFoundError, OSError) as err:
-            print(json.dumps({"path": args.path, "ok": False, "error": str(err)}))
-            return 1
-        print(json.dumps({"path": args.path, "ok": True, "error": None,
-                          "n_tiles": dataset.manifest.n_tiles}))  # fmt: skip
-        return 0
+            problems.append(str(err))
+        # "error" (the first problem) is kept for scripts written before "problems".
+        print(json.dumps({"path": args.path, "ok": not problems,
+                          "error": problems[0] if problems else None, "problems": problems,
+                          "unchecked": unchecked, "n_tiles": n_tiles}))  # fmt: skip
+        return 1 if problems else 0
     dataset = open_dataset(args.path)
     progress = None
     if not args.quiet:
@@ -206,7 +216,9 @@ def _verify(args: argparse.Namespace) -> int:
     dataset.verify(progress)
     if not args.quiet:
         print(f"{args.path}: OK ({_count(dataset.manifest.n_tiles, 'tile')}, CRC and full "
-              "decode)")
+              "decode; every file against the manifest)")
+        for part in dataset.unchecked_parts():
+            print(f"  not protected (written before it could be): {part}")
     return 0
 
 

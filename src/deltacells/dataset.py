@@ -20,6 +20,7 @@ import scipy.sparse as sp
 
 from deltacells.codec import Tile, empty_output
 from deltacells.format import HEADER_SIZE, MAGIC, FormatError
+from deltacells.integrity import check_checksum_row
 from deltacells.manifest import (
     GENE_ORDER_NAME,
     MANIFEST_NAME,
@@ -70,6 +71,64 @@ class Dataset:
         self._gene_order: np.ndarray | None = None
         self._spatial: Any = None
         self._gene_major: Any = None
+        self.files = manifest.file_table(store.describe(MANIFEST_NAME))
+        self._tile_sums = manifest.tile_sums(store.describe(MANIFEST_NAME))
+
+    # -- files read whole ------------------------------------------------------------------------
+
+    def read_file(self, name: str, max_size: int) -> bytes:
+        """The whole file ``name``, checked against the manifest's file table (size before
+        reading, SHA-256 after). Datasets written before file tables: read unchecked, refused
+        above ``max_size`` bytes.
+
+        Raises
+        ------
+        FormatError
+            Naming the file, when it is not what the manifest records.
+        """
+        if not self.files.present:
+            return self.store.read_bytes(name, max_size=max_size)
+        size = self.files.require(name, self.store.describe)
+        data = self.store.read_buffer(name, size)
+        self.files.check(name, data, self.store.describe)
+        return data.tobytes()
+
+    def open_nested(self, location: str) -> Dataset:
+        """The count layer or raw stored at ``location`` (a dataset of its own), its manifest
+        checked against this one's file table."""
+        store = self.store.child(location)
+        if not self.files.present:
+            return open_dataset(store)
+        text = self.read_file(f"{location}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
+        manifest = Manifest.from_json_text(text, store.describe(MANIFEST_NAME))
+        return Dataset(store, manifest, hashlib.sha256(text).hexdigest())
+
+    @property
+    def tile_sums(self):
+        """The tiles' chunk checksums (:class:`~deltacells.integrity.ChunkSums`; None for
+        datasets written before them)."""
+        return self._tile_sums
+
+    def unchecked_parts(self) -> list[str]:
+        """What this dataset's manifest cannot vouch for (datasets written before the manifest
+        digest, the file table or the chunk checksums): empty for a current dataset."""
+        m, out = self.manifest, []
+        if not m.sealed:
+            out.append("the manifest itself (no manifest_sha256: a damaged key or value may go "
+                       "unnoticed)")
+        if not self.files.present:
+            out.append("files read whole (gene order, var tables, obs schema, cell order, "
+                       "spatial files, elements): no file table")
+        if self._tile_sums is None:
+            out.append("ranged reads of tiles (no chunk checksums: read_deltacells(ranged_reads="
+                       "True) reads whole tiles instead)")
+        if m.tile_crc32 is None:
+            out.append("which tile file belongs where (no tile_crc32)")
+        companion = self.gene_major()
+        if companion is not None and companion.sums is None:
+            out.append("gene-major reads (no chunk checksums in the companion: only verify "
+                       "checks it)")
+        return out
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -241,7 +300,7 @@ class Dataset:
             if index is None:
                 raise ValueError(f"{self.store.describe()}: not written in spatial order (write "
                                  "it with spatial_key= or shapes=)")  # fmt: skip
-            self._spatial = SpatialReader(self.store, index, self.manifest.n_cells)
+            self._spatial = SpatialReader(self, index, self.manifest.n_cells)
         return self._spatial
 
     def query_bbox(self, bbox: tuple[float, float, float, float], mode: str = "intersects"):
@@ -302,9 +361,11 @@ class Dataset:
             self._gene_order = order.astype(np.int64)
         return self._gene_order.copy()
 
-    def load_npy(self, name: str, length: int) -> np.ndarray:
-        """A 1-D integer ``.npy`` file of ``length`` entries, its header checked against the
-        file's size before anything is allocated.
+    def load_npy(self, name: str, length: int | tuple[int, ...],
+                 dtype: str | None = None) -> np.ndarray:  # fmt: skip
+        """An integer ``.npy`` file of ``length`` entries (or that shape), its header checked
+        against the file's size before anything is allocated (and the whole file against the
+        file table). ``dtype``: the one dtype accepted (default: any integer of up to 8 bytes).
 
         Raises
         ------
@@ -313,18 +374,23 @@ class Dataset:
             claiming more entries than the file holds, another dtype or shape).
         """
         where = self.store.describe(name)
+        want = (length,) if isinstance(length, int) else tuple(length)
+        count = int(np.prod(want, dtype=np.int64))
         # 8 bytes per entry at most, plus the header (numpy caps headers at 10,000 bytes).
-        data = self.store.read_bytes(name, max_size=16 + 10_000 + 8 * length)
-        shape, _, dtype, offset = parse_npy_header(data, where)
-        if shape != (length,) or dtype.kind not in "iu" or dtype.itemsize > 8:
-            raise FormatError(f"{where}: expected {length} integers, got {dtype} {shape}")
+        data = self.read_file(name, max_size=16 + 10_000 + 8 * count)
+        shape, fortran, got, offset = parse_npy_header(data, where)
+        wrong_dtype = got != np.dtype(dtype) if dtype is not None else (
+            got.kind not in "iu" or got.itemsize > 8)  # fmt: skip
+        if shape != want or wrong_dtype or fortran:
+            what = f"{count} integers" if len(want) == 1 else f"integers of shape {want}"
+            raise FormatError(f"{where}: expected {what}, got {got} {shape}")
         body = len(data) - offset
-        if body != length * dtype.itemsize:
+        if body != count * got.itemsize:
             raise FormatError(
-                f"{where}: holds {body} bytes of data, {length} {dtype} entries need "
-                f"{length * dtype.itemsize}"
+                f"{where}: holds {body} bytes of data, {count} {got} entries need "
+                f"{count * got.itemsize}"
             )
-        return np.frombuffer(data, dtype=dtype, count=length, offset=offset)
+        return np.frombuffer(data, dtype=got, count=count, offset=offset).reshape(want)
 
     def var_names(self) -> list[str] | None:
         """Gene names in stored order (None if absent)."""
@@ -332,7 +398,7 @@ class Dataset:
             return None
         where = self.store.describe(VAR_NAMES_NAME)
         # A name is rarely above 100 bytes: 1 KiB each on average is far more than enough.
-        data = self.store.read_bytes(VAR_NAMES_NAME, max_size=1024 * self.manifest.n_genes + 1024)
+        data = self.read_file(VAR_NAMES_NAME, max_size=1024 * self.manifest.n_genes + 1024)
         try:
             names = data.decode("utf-8").split("\n")
         except UnicodeDecodeError as err:
@@ -354,10 +420,12 @@ class Dataset:
 
         where = self.store.describe(VAR_TABLE_NAME)
         try:
-            table = pq.read_table(arrow_reader(self.store.read_bytes(VAR_TABLE_NAME)))
+            data = self.read_file(VAR_TABLE_NAME, max_size=MAX_VAR_TABLE_BYTES_PER_GENE
+                                  * self.manifest.n_genes + 2**20)  # fmt: skip
+            # pandas metadata is JSON inside the file: decoding it can fail too.
+            var = pq.read_table(arrow_reader(data)).to_pandas()
         except PARQUET_ERRORS as err:
             raise FormatError(f"{where}: unreadable parquet ({err})") from None
-        var = table.to_pandas()
         if len(var) != self.manifest.n_genes:
             raise FormatError(f"{where}: {len(var)} rows for {self.manifest.n_genes} genes")
         return var
@@ -371,7 +439,7 @@ class Dataset:
         return ObsSchema.from_json_text(self._schema_text(), self.store.describe(OBS_SCHEMA_NAME))
 
     def _schema_text(self) -> str:
-        data = self.store.read_bytes(OBS_SCHEMA_NAME, max_size=MAX_MANIFEST_BYTES)
+        data = self.read_file(OBS_SCHEMA_NAME, max_size=MAX_MANIFEST_BYTES)
         try:
             return data.decode("utf-8")
         except UnicodeDecodeError as err:
@@ -429,53 +497,103 @@ class Dataset:
 
     def verify(self, progress: Callable[[Any], Any] | None = None) -> None:
         """Check everything: every tile's CRC and full decode, obs shards, schema, fingerprint,
-        gene order and gene tables against the manifest.
+        gene order and gene tables against the manifest, every file of the file table, the
+        chunk checksums, cell order, spatial files, the gene-major companion, nested datasets
+        and elements.
 
         Raises
         ------
         FormatError
-            Naming the first problem found.
+            Naming the first problem found (and how many more there are; :meth:`problems`
+            lists them all).
         """
+        found = self.problems(progress)
+        if len(found) == 1:
+            raise FormatError(found[0])
+        if found:
+            raise FormatError(f"{found[0]} (and {len(found) - 1} more problems; deltacells "
+                              "verify --json lists them)")  # fmt: skip
+
+    def problems(self, progress: Callable[[Any], Any] | None = None) -> list[str]:
+        """Every problem :meth:`verify` finds, one message each (empty: the dataset is sound).
+        A check that fails stops only itself: the others still run."""
+        found: list[str] = []
+
+        def attempt(check: Callable, *args: Any) -> None:
+            try:
+                check(*args)
+            except FormatError as err:
+                found.append(str(err))
+
         m = self.manifest
         tiles = range(m.n_tiles)
         for i in progress(tiles) if progress else tiles:
-            tile = self.tile(i)
-            tile.decode(np.int32)
-        self.gene_order()
-        self.var_names()
-        self.var()
+            attempt(self._verify_tile, i)
+        attempt(self._verify_files)
+        attempt(self.gene_order)
+        attempt(self.var_names)
+        attempt(self.var)
+        attempt(self.cell_order)
         if m.has_obs:
-            schema_text = self._schema_text()
-            schema = ObsSchema.from_json_text(schema_text, self.store.describe(OBS_SCHEMA_NAME))
-            for s in range(m.n_obs_shards):
-                self._check_obs_shard(s, schema)
-            expected = obs_fingerprint(schema_text, m.tile_cells, m.obs_shard_sha256)
-            if expected != m.obs_fingerprint:
-                raise FormatError(
-                    f"{self.store.describe(MANIFEST_NAME)}: obs_fingerprint {m.obs_fingerprint} "
-                    f"!= {expected} computed from the schema and shards"
-                )
-            self._check_obs_values(schema)
+            attempt(self._verify_obs)
         if m.metadata.get("spatial_index") is not None:
-            self.spatial().verify()
+            attempt(lambda: self.spatial().verify())
         if m.metadata.get("gene_major") is not None:
-            self.gene_major().verify(progress)
-        self._verify_stored_parts(progress)
+            attempt(lambda: self.gene_major().verify(progress))
+        attempt(self._verify_stored_parts, progress, found)
+        return found
 
-    def _verify_stored_parts(self, progress) -> None:
+    def _verify_tile(self, index: int) -> None:
+        """Tile ``index`` whole (CRC, structure, full decode) and its chunk checksum row."""
+        blob = self.tile_blob(index)
+        self.tile(index, blob=blob).decode(np.int32)
+        if self._tile_sums is not None:
+            check_checksum_row(self._tile_sums, index, blob, self.store.read_range,
+                               self.store.describe)  # fmt: skip
+
+    def _verify_files(self) -> None:
+        """Every file of the file table: present, its size and SHA-256."""
+        for name in self.files.names():
+            data = self.store.read_buffer(name, self.files.size(name))
+            self.files.check(name, data, self.store.describe)
+        if self._tile_sums is not None:
+            size = self.store.size(self._tile_sums.file)
+            if size != self._tile_sums.size:
+                raise FormatError(f"{self.store.describe(self._tile_sums.file)}: {size} bytes, "
+                                  f"{self.manifest.n_tiles} rows need {self._tile_sums.size}")
+
+    def _verify_obs(self) -> None:
+        m = self.manifest
+        schema_text = self._schema_text()
+        schema = ObsSchema.from_json_text(schema_text, self.store.describe(OBS_SCHEMA_NAME))
+        for s in range(m.n_obs_shards):
+            self._check_obs_shard(s, schema)
+        expected = obs_fingerprint(schema_text, m.tile_cells, m.obs_shard_sha256)
+        if expected != m.obs_fingerprint:
+            raise FormatError(
+                f"{self.store.describe(MANIFEST_NAME)}: obs_fingerprint {m.obs_fingerprint} "
+                f"!= {expected} computed from the schema and shards"
+            )
+        self._check_obs_values(schema)
+
+    def _verify_stored_parts(self, progress, found: list[str]) -> None:
         """Count layers and raw (datasets of their own) and the anndata elements."""
         parts = StoredParts.from_manifest(self.manifest, self.store.describe(MANIFEST_NAME))
         for location in parts.matrices:
-            sub = open_dataset(self.store.child(location))
+            try:
+                sub = self.open_nested(location)
+            except FormatError as err:
+                found.append(str(err))
+                continue
             cells = sub.manifest.n_cells
             if cells != self.manifest.n_cells:
-                raise FormatError(f"{sub.store.describe()}: {cells} cells, X has "
-                                  f"{self.manifest.n_cells}")  # fmt: skip
-            sub.verify(progress)
+                found.append(f"{sub.store.describe()}: {cells} cells, X has "
+                             f"{self.manifest.n_cells}")  # fmt: skip
+            found.extend(sub.problems(progress))
         if parts.elements:
             from deltacells.elements import read_elements
 
-            read_elements(self.store, list(parts.elements))
+            read_elements(self.store, list(parts.elements), files=self.files)
 
     def obs_index_column(self, schema: ObsSchema | None = None) -> str | None:
         """The obs column holding obs_names (None: there is none), checked to be a string
@@ -578,6 +696,7 @@ class Dataset:
             "stored_parts": {"layers": parts.layers, "raw": parts.raw,
                              "elements": list(parts.elements)},
             "spatial_index": m.metadata.get("spatial_index"),
+            "unchecked": self.unchecked_parts(),
             "gene_major": None if m.metadata.get("gene_major") is None else {
                 k: v for k, v in m.metadata["gene_major"].items()
                 if k in ("block_cells", "chunk_genes", "n_blocks")} | {
@@ -607,6 +726,9 @@ def parse_npy_header(data: bytes, where: str) -> tuple[tuple, bool, np.dtype, in
         raise FormatError(f"{where}: not a .npy array ({err})") from None
     return shape, fortran, dtype, stream.tell()
 
+
+#: Most bytes per gene a var table may have when no file table bounds it (older datasets).
+MAX_VAR_TABLE_BYTES_PER_GENE = 64 * 1024
 
 #: Where the writer records the cell order (stored row -> source row).
 CELL_ORDER_FILE = "cell_order.npy"

@@ -26,6 +26,7 @@ import pandas as pd
 import scipy.sparse as sp
 
 from deltacells.format import FormatError
+from deltacells.integrity import FileTable
 from deltacells.storage import Store
 
 __all__ = [
@@ -116,20 +117,35 @@ def write_elements(
     return written
 
 
-def read_elements(store: Store, names: list[str], lazy: bool = False) -> dict[str, Any]:
+def read_elements(store: Store, names: list[str], lazy: bool = False,
+                  files: FileTable | None = None) -> dict[str, Any]:  # fmt: skip
     """The stored elements ``names`` as anndata reads them (``lazy``: arrays as dask arrays
     that read their chunks when computed; uns is always read whole).
+
+    Every file is read through the dataset's store and, with the manifest's file table
+    ``files``, checked against it (see :mod:`deltacells.element_store`); arrays whose declared
+    size is out of proportion to their stored bytes are refused before anything is read.
 
     Raises
     ------
     FormatError
-        If the group or an element is missing or unreadable.
+        If the group or an element is missing, damaged or unreadable (naming the file when a
+        file's check failed).
     """
+    import zarr
+
+    from deltacells.element_store import CheckedZarrStore, check_declared_sizes
+
     where = store.describe(ANNDATA_GROUP)
+    files = files if files is not None else FileTable(None, where)
     try:
-        group = open_group(store, "r")
+        zstore = CheckedZarrStore(store, files, ANNDATA_GROUP)
+        group = zarr.open_group(zstore, mode="r")
+        check_declared_sizes(group, zstore)
+    except FormatError:
+        raise
     except Exception as err:
-        raise FormatError(f"{where}: cannot open the anndata group ({err})") from None
+        raise FormatError(f"{where}: cannot open the anndata group ({_cause(err)})") from None
     out: dict[str, Any] = {}
     for name in names:
         if name not in group:
@@ -140,8 +156,29 @@ def read_elements(store: Store, names: list[str], lazy: bool = False) -> dict[st
             else:
                 out[name] = ad.io.read_elem(group[name])
         except Exception as err:
-            raise FormatError(f"{where}: cannot read {name!r} ({err})") from None
+            checked = _format_error_in(err)
+            if checked is not None:
+                raise checked from None
+            raise FormatError(f"{where}: cannot read {name!r} ({_cause(err)})") from None
     return out
+
+
+def _format_error_in(err: BaseException) -> FormatError | None:
+    """The FormatError (or StorageError) behind ``err``: anndata wraps what a store raised
+    in errors of its own, and the store's message is the one that names the file."""
+    from deltacells.storage import StorageError
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, FormatError | StorageError):
+            return err if isinstance(err, FormatError) else FormatError(str(err))
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _cause(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
 
 
 def _read_lazily(elem: Any) -> Any:

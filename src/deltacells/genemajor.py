@@ -4,8 +4,10 @@ delta-coded cell gaps and counts) in the same version-2 tile codec, so one gene 
 is one small ranged read per block instead of a scan of every tile.
 
 Layout: ``genes/block_000000.dct`` ... and the manifest's ``metadata["gene_major"]`` record
-(block size, rows per chunk, each block's bytes, nonzeros and CRC-32). Rows are genes in the
-stored gene order; block ``b`` holds stored cells ``b * block_cells`` to ``(b + 1) * block_cells``.
+(block size, rows per chunk, each block's bytes, nonzeros and CRC-32, and the blocks' chunk
+checksums in ``genes/chunk_crc32.bin``, which make every partial read of a block checked).
+Rows are genes in the stored gene order; block ``b`` holds stored cells ``b * block_cells`` to
+``(b + 1) * block_cells``.
 Chunks hold a fixed number of genes, so a gene's chunk is found without the chunk table.
 """
 
@@ -20,7 +22,14 @@ import numpy as np
 import scipy.sparse as sp
 
 from deltacells.codec import DEFAULT_LEVEL, Tile, encode_tile
-from deltacells.format import FormatError, parse_header
+from deltacells.format import HEADER_SIZE, FormatError, parse_header
+from deltacells.integrity import (
+    CHUNK_SUMS_KEY,
+    ChunkSums,
+    check_checksum_row,
+    chunk_sums_record,
+    tile_checksum_row,
+)
 from deltacells.manifest import MANIFEST_NAME
 from deltacells.ranged import RangedTile
 
@@ -47,6 +56,8 @@ DEFAULT_BLOCK_CELLS = None
 #: Genes per chunk: the unit a one-gene read decompresses.
 DEFAULT_CHUNK_GENES = 16
 RECORD_FORMAT = "deltacells-gene-major"
+#: The blocks' chunk checksums (rows as for tiles, see :mod:`deltacells.integrity`).
+BLOCK_SUMS_NAME = "genes/chunk_crc32.bin"
 
 
 def block_name(index: int) -> str:
@@ -128,7 +139,7 @@ def add_gene_major(
     level = m.zstd_level if zstd_level is None else zstd_level
     level = DEFAULT_LEVEL if level is None else level
     n_blocks = -(-m.n_cells // block_cells)
-    sizes, nnzs, crcs = [], [], []
+    sizes, nnzs, crcs, headers, rows = [], [], [], [], []
     blocks = range(n_blocks)
     for b in progress(blocks) if progress else blocks:
         lo, hi = b * block_cells, min(m.n_cells, (b + 1) * block_cells)
@@ -137,9 +148,14 @@ def add_gene_major(
         sizes.append(len(blob))
         nnzs.append(nnz)
         crcs.append(parse_header(blob).crc32)
+        headers.append(bytes(blob[:HEADER_SIZE]))
+        rows.append(tile_checksum_row(blob))
+    sums, sums_data = chunk_sums_record(BLOCK_SUMS_NAME, rows, headers)
+    dataset.store.write_atomic(BLOCK_SUMS_NAME, sums_data)
     record = {"format": RECORD_FORMAT, "version": 1, "block_cells": block_cells,
               "chunk_genes": chunk_genes, "n_blocks": n_blocks, "zstd_level": level,
-              "block_bytes": sizes, "block_nnz": nnzs, "block_crc32": crcs}  # fmt: skip
+              "block_bytes": sizes, "block_nnz": nnzs, "block_crc32": crcs,
+              CHUNK_SUMS_KEY: sums}  # fmt: skip
     if sum(nnzs) != m.nnz:
         raise FormatError(f"{dataset.store.describe()}: gene-major blocks hold {sum(nnzs)} "
                           f"nonzeros, the tiles {m.nnz}")  # fmt: skip
@@ -191,7 +207,23 @@ class GeneMajor:
         if sum(self.block_nnz) != m.nnz:
             raise FormatError(f"{where}: gene_major blocks hold {sum(self.block_nnz)} nonzeros, "
                               f"the tiles {m.nnz}")  # fmt: skip
+        known = {"format", "version", "block_cells", "chunk_genes", "n_blocks", "zstd_level",
+                 "block_bytes", "block_nnz", "block_crc32", CHUNK_SUMS_KEY}  # fmt: skip
+        unknown = sorted(set(record) - known)
+        if unknown:
+            raise FormatError(f"{where}: gene_major has unknown keys {unknown}")
+        #: The blocks' chunk checksums (None: a companion written before them, whose partial
+        #: reads only ``verify`` checks).
+        self.sums = None if record.get(CHUNK_SUMS_KEY) is None else ChunkSums(
+            record[CHUNK_SUMS_KEY], n_blocks, where, (BLOCK_SUMS_NAME,))  # fmt: skip
         self.bytes_read = 0
+
+    def _checksums(self, b: int):
+        """What :class:`~deltacells.ranged.RangedTile` checks block ``b``'s pieces with."""
+        if self.sums is None:
+            return None
+        store = self.dataset.store
+        return lambda header: self.sums.row(b, header, store.read_range, store.describe)
 
     def block_cells_of(self, b: int) -> tuple[int, int]:
         """Stored cells ``lo:hi`` of block ``b``."""
@@ -215,7 +247,8 @@ class GeneMajor:
         values) from block ``b``, by ranged reads of the chunks holding them."""
         store = self.dataset.store
         name = block_name(b)
-        ranged = RangedTile(store, name, self.block_bytes[b], chunk_rows=self.chunk_genes)
+        ranged = RangedTile(store, name, self.block_bytes[b], chunk_rows=self.chunk_genes,
+                            checksums=self._checksums(b))  # fmt: skip
         self._check_block_header(b, ranged.header, store.describe(name))
         lo, _ = self.block_cells_of(b)
         out = []
@@ -277,6 +310,9 @@ class GeneMajor:
                                   f"{self.block_bytes[b]}")  # fmt: skip
             tile = Tile(blob, name=where)
             self._check_block_header(b, tile.layout, where)
+            if self.sums is not None:
+                check_checksum_row(self.sums, b, np.frombuffer(blob, np.uint8), store.read_range,
+                                   store.describe)  # fmt: skip
             lo, hi = self.block_cells_of(b)
             expected = _stored_rows(self.dataset, lo, hi).tocsc()
             got = tile.decode(np.int32)

@@ -22,6 +22,14 @@ from deltacells.format import (
     check_decoded_size,
     chunk_entry_size,
 )
+from deltacells.integrity import (
+    CHUNK_SUMS_KEY,
+    DIGEST_KEY,
+    FILES_KEY,
+    ChunkSums,
+    FileTable,
+    canonical_digest,
+)
 
 __all__ = [
     "DATASET_FORMAT",
@@ -46,6 +54,8 @@ GENE_ORDER_NAME = "gene_order.npy"
 VAR_NAMES_NAME = "var_names.txt"
 VAR_TABLE_NAME = "var.parquet"
 OBS_SCHEMA_NAME = "obs/schema.json"
+#: The tiles' chunk checksums (see :mod:`deltacells.integrity`).
+TILE_SUMS_NAME = "tiles/chunk_crc32.bin"
 #: The obs column that holds obs_names (recorded in the manifest's metadata too).
 OBS_INDEX_COLUMN = "_index"
 CATEGORY_CODE_TYPES = ("int8", "int16", "int32")
@@ -268,6 +278,25 @@ class Manifest:
     #: Each tile's CRC-32 (its header's), in tile order. This ties every tile file to its
     #: place, so tiles swapped together with their counts are found. Optional (older datasets).
     tile_crc32: list[int] | None = None
+    #: Size and SHA-256 of every other file read whole (``{name: {"bytes", "sha256"}}``;
+    #: see :mod:`deltacells.integrity`). None for datasets written before file tables.
+    files: dict | None = None
+    #: The tiles' chunk checksums (``{"file", "slots", "row_crc32"}``), which let a partial
+    #: read of a tile be checked. None for datasets written before them.
+    chunk_sums: dict | None = None
+    #: Whether the stored manifest carried its own digest (:data:`.DIGEST_KEY`), checked when
+    #: parsed. Manifests written before digests are read without one.
+    sealed: bool = True
+
+    def file_table(self, where: str = MANIFEST_NAME) -> FileTable:
+        """The file table (an empty, absent one for older datasets)."""
+        return FileTable(self.files, where)
+
+    def tile_sums(self, where: str = MANIFEST_NAME) -> ChunkSums | None:
+        """The tiles' chunk checksums (None for older datasets)."""
+        if self.chunk_sums is None:
+            return None
+        return ChunkSums(self.chunk_sums, self.n_tiles, where, (TILE_SUMS_NAME,))
 
     @property
     def n_tiles(self) -> int:
@@ -318,6 +347,11 @@ class Manifest:
                 "obs_fingerprint": self.obs_fingerprint,
             }
         obj["metadata"] = self.metadata
+        if self.files is not None:
+            obj[FILES_KEY] = self.files
+        if self.chunk_sums is not None:
+            obj[CHUNK_SUMS_KEY] = self.chunk_sums
+        obj[DIGEST_KEY] = canonical_digest(obj)
         return json.dumps(obj, indent=1)
 
     @classmethod
@@ -332,6 +366,15 @@ class Manifest:
         obj = parse_json(text, where)
         if not isinstance(obj, dict):
             raise FormatError(f"{where}: the manifest must be a JSON object")
+        _check_keys(obj, where)
+        sealed = DIGEST_KEY in obj
+        if sealed:
+            digest = obj[DIGEST_KEY]
+            if not isinstance(digest, str) or digest != canonical_digest(obj):
+                raise FormatError(
+                    f"{where}: the manifest's content does not match its {DIGEST_KEY} (a "
+                    "damaged or edited manifest; every key and value is covered)"
+                )
         if obj.get("format") != DATASET_FORMAT:
             raise FormatError(f"{where}: format is {obj.get('format')!r}, not {DATASET_FORMAT!r}")
         version = obj.get("version")
@@ -390,6 +433,11 @@ class Manifest:
         metadata = obj.get("metadata", {})
         if not isinstance(metadata, dict):
             raise FormatError(f"{where}: 'metadata' must be a JSON object")
+        files = obj.get(FILES_KEY)
+        FileTable(files, where)  # checked here, used by the readers
+        chunk_sums = obj.get(CHUNK_SUMS_KEY)
+        if chunk_sums is not None:
+            ChunkSums(chunk_sums, n_tiles, where, (TILE_SUMS_NAME,))
         return cls(
             version=version,
             n_cells=n_cells,
@@ -406,8 +454,40 @@ class Manifest:
             has_obs=has_obs,
             metadata=metadata,
             tile_crc32=tile_crc32,
+            files=files,
+            chunk_sums=chunk_sums,
+            sealed=sealed,
             **fields,
         )
+
+
+#: Keys every manifest has (FORMAT.md's list).
+REQUIRED_KEYS = ("format", "version", "n_cells", "n_genes", "tile_size", "tile_cells", "tile_nnz",
+                 "tile_bytes", "n_chunks", "zstd_level", "has_gene_order", "has_var_names",
+                 "has_var_table", "has_obs", "metadata")  # fmt: skip
+#: Keys a manifest with obs has, and only then.
+OBS_KEYS = ("obs_tiles_per_file", "obs_shard_bytes", "obs_shard_sha256", "obs_fingerprint")
+#: Keys this package adds (docs/format.md), each optional for datasets written before it.
+EXTENSION_KEYS = ("tile_crc32", FILES_KEY, CHUNK_SUMS_KEY, DIGEST_KEY)
+
+
+def _check_keys(obj: dict, where: str) -> None:
+    """The strict schema: every key known, every required one present. Extra information
+    belongs in ``metadata`` (free-form), so an unknown key is a damaged or misspelt one."""
+    known = {*REQUIRED_KEYS, *OBS_KEYS, *EXTENSION_KEYS}
+    unknown = sorted(k for k in obj if k not in known)
+    if unknown:
+        raise FormatError(f"{where}: unknown manifest keys {unknown} (a damaged manifest, or "
+                          f"one this version does not read; known: {sorted(known)})")  # fmt: skip
+    missing = [k for k in REQUIRED_KEYS if k not in obj]
+    if obj.get("has_obs") is True:
+        missing += [k for k in OBS_KEYS if k not in obj]
+    if missing:
+        raise FormatError(f"{where}: manifest keys {missing} are missing")
+    stray = [k for k in OBS_KEYS if k in obj and obj.get("has_obs") is False]
+    if stray:
+        raise FormatError(f"{where}: manifest keys {stray} belong to a dataset with obs, and "
+                          "has_obs is not true")  # fmt: skip
 
 
 #: Where a count layer (``layers/<quoted name>``) or raw (``raw``) may live in a dataset.

@@ -3,11 +3,16 @@ and the frames of the chunks holding the rows, never the whole tile.
 
 The pieces are laid out again as a small tile of their own (one tile per run of chunks, with a
 fresh CRC), so every structural and frame check of :class:`~deltacells.codec.Tile` applies to
-them before anything is decoded. What this cannot check is the stored tile's CRC, which covers
-all of it: a reader that wants that check reads the whole tile.
+them before anything is decoded. The stored tile's CRC covers all of it and cannot be checked
+this way; the chunk checksums (:mod:`deltacells.integrity`) take its place: given them, every
+byte fetched (header, chunk table or entries, indptr slice, frames) is checked against a CRC-32
+tied to the manifest before it is decoded.
 """
 
 from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
 
 import numpy as np
 
@@ -21,6 +26,7 @@ from deltacells.format import (
     chunk_entry_size,
     parse_header,
 )
+from deltacells.integrity import chunk_crc
 from deltacells.storage import Store
 
 __all__ = ["RangedPlan", "RangedTile"]
@@ -47,9 +53,14 @@ class RangedTile:
     chunk_rows
         If the writer made chunks of this many rows (``encode_tile(chunk_rows=...)``), the
         chunk of a row is found without reading the whole chunk table (and checked).
+    checksums
+        Given the tile's 64-byte header, its checked chunk checksums ``(crc32 of the chunk
+        table, per-chunk CRC-32s)`` (see :class:`~deltacells.integrity.ChunkSums`); every
+        piece read is then checked against them. None: unchecked (older datasets).
     """
 
-    def __init__(self, store: Store, name: str, size: int, chunk_rows: int | None = None) -> None:
+    def __init__(self, store: Store, name: str, size: int, chunk_rows: int | None = None,
+                 checksums: Callable[[bytes], tuple[int, np.ndarray]] | None = None) -> None:
         self.store, self.name, self.size, self.chunk_rows = store, name, size, chunk_rows
         self.where = store.describe(name)
         # The header and, when it is small, the whole chunk table in one read.
@@ -57,6 +68,7 @@ class RangedTile:
         self.header: TileHeader = parse_header(head, self.where, object_size=size)
         if self.header.version != 2:
             raise FormatError(f"{self.where}: ranged reads need a version 2 tile")
+        self._sums = None if checksums is None else checksums(bytes(head[:HEADER_SIZE]))
         self.entry = chunk_entry_size(2)
         table_end = HEADER_SIZE + self.entry * self.header.n_chunks
         h = self.header
@@ -67,8 +79,14 @@ class RangedTile:
         self.bytes_read = len(head)
         self._table: np.ndarray | None = None
         if table_end <= len(head):
-            self._table = np.frombuffer(head[HEADER_SIZE:table_end], dtype="<u8").reshape(
-                h.n_chunks, self.entry // 8)  # fmt: skip
+            self._table = self._checked_table(head[HEADER_SIZE:table_end])
+
+    def _checked_table(self, data: bytes) -> np.ndarray:
+        """The whole chunk table from its bytes, checked against its checksum if known."""
+        if self._sums is not None and zlib.crc32(data) != self._sums[0]:
+            raise FormatError(f"{self.where}: the chunk table does not match its CRC-32 in the "
+                              "chunk checksums (damaged)")  # fmt: skip
+        return np.frombuffer(data, dtype="<u8").reshape(self.header.n_chunks, self.entry // 8)
 
     def _read(self, start: int, stop: int) -> bytes:
         data = self.store.read_range(self.name, start, stop)
@@ -86,7 +104,8 @@ class RangedTile:
     def chunk_table(self) -> np.ndarray:
         """The whole chunk table (``n_chunks x 12``, uint64), read once."""
         if self._table is None:
-            self._table = self._entries(0, self.header.n_chunks)
+            n = self.header.n_chunks
+            self._table = self._checked_table(self._read(HEADER_SIZE, HEADER_SIZE + self.entry * n))
         return self._table
 
     def _chunks_for(self, lo: int, hi: int) -> tuple[int, np.ndarray]:
@@ -131,8 +150,8 @@ class RangedTile:
             entries = entries.astype(np.int64)
             cell_lo, cell_hi = int(entries[0, 0]), int(entries[-1, 1])
             if (np.diff(entries[:, 0]) <= 0).any() or (entries[1:, 0] != entries[:-1, 1]).any() \
-                    or not 0 <= cell_lo < cell_hi <= h.n_cells:  # fmt: skip
-                raise FormatError(f"{self.where}: chunks {first}.. do not cover rows "
+                    or not 0 <= cell_lo <= lo < hi <= cell_hi <= h.n_cells:  # fmt: skip
+                raise FormatError(f"{self.where}: chunks {first}.. do not cover rows {lo}:{hi} "
                                   "contiguously")  # fmt: skip
             offsets = entries[:, GAPS_OFF::2][:, :4]
             lengths = entries[:, GAPS_LEN::2][:, :4]
@@ -155,6 +174,20 @@ class RangedTile:
 class RangedPlan:
     """The frames still to fetch for some runs of one tile's rows, and their layout as tiles
     (made by :meth:`RangedTile.plan`)."""
+
+    def _check_chunks(self, first: int, entries: np.ndarray, frames: list) -> None:
+        """Each fetched chunk (entry, indptr slice, frames) against its CRC-32."""
+        tile = self.tile
+        expected = tile._sums[1]
+        for j, entry in enumerate(entries):
+            lo, hi = int(entry[0]), int(entry[1])
+            indptr = self.indptr[lo - self.lo_cell : hi - self.lo_cell + 1]
+            crc = chunk_crc(entry.astype("<u8").tobytes(), indptr.astype("<i8").tobytes(),
+                            frames[j])  # fmt: skip
+            if first + j >= len(expected) or crc != expected[first + j]:
+                raise FormatError(f"{tile.where}: chunk {first + j} (its table entry, indptr or "
+                                  "frames) does not match its CRC-32 in the chunk checksums "
+                                  "(damaged)")  # fmt: skip
 
     def __init__(self, tile: RangedTile, spans: list, indptr: np.ndarray, lo_cell: int) -> None:
         self.tile, self.spans, self.indptr, self.lo_cell = tile, spans, indptr, lo_cell
@@ -198,6 +231,8 @@ class RangedPlan:
             frames = [[blob[int(o) - base : int(o + n) - base] if n else b""
                        for o, n in zip(row_off, row_len, strict=True)]
                       for row_off, row_len in zip(offsets, lengths, strict=True)]  # fmt: skip
+            if tile._sums is not None:
+                self._check_chunks(first, entries, frames)
             bounds = np.append(entries[:, 0], cell_hi) - cell_lo
             tile_blob = _assemble(indptr - nnz_lo, bounds, frames, cell_hi - cell_lo, h.n_genes, 1)
             name = f"{tile.where} (rows {cell_lo}:{cell_hi}, ranged read)"

@@ -142,6 +142,46 @@ SHAPES_NAME = "spatial/shapes.npy"
 #: int64 offsets of each row's bytes (``n_cells + 1``): rows of a grid tile are one range.
 GEOMETRY_NAME = "spatial/geometry.wkb"
 GEOMETRY_OFFSETS_NAME = "spatial/geometry_offsets.npy"
+#: CRC-32s of what a box query reads (uint32, ``4 x (n_grid_tiles + 1)``): per file of
+#: :data:`GRID_SUMS_FILES`, the CRC of its ``.npy`` header, then one per grid tile of the bytes
+#: a query reads for that tile's rows (geometry offsets: the rows and the next one). Box queries
+#: read a few grid tiles' rows, which a whole-file hash cannot check.
+GRID_SUMS_NAME = "spatial/grid_crc32.npy"
+GRID_SUMS_FILES = (CENTROIDS_NAME, SHAPES_NAME, GEOMETRY_OFFSETS_NAME, GEOMETRY_NAME)
+#: Bytes per row of the row files, and rows read past each grid tile's own.
+ROW_LAYOUT = {CENTROIDS_NAME: (16, 0), SHAPES_NAME: (40, 0), GEOMETRY_OFFSETS_NAME: (8, 1)}
+
+
+def grid_checksums(files: dict[str, bytes], tile_offsets: np.ndarray) -> np.ndarray:
+    """The contents of :data:`GRID_SUMS_NAME` for the spatial ``files`` a writer stores
+    (rows of absent files are zero)."""
+    import zlib
+
+    offsets = np.asarray(tile_offsets, dtype=np.int64)
+    n_cells = int(offsets[-1])
+    out = np.zeros((len(GRID_SUMS_FILES), len(offsets)), dtype="<u4")
+    bounds = None
+    if GEOMETRY_OFFSETS_NAME in files:
+        data = files[GEOMETRY_OFFSETS_NAME]
+        bounds = np.frombuffer(data, dtype="<i8", offset=len(data) - 8 * (n_cells + 1))
+    for f, name in enumerate(GRID_SUMS_FILES):
+        data = files.get(name)
+        if data is None:
+            continue
+        view = memoryview(data)
+        if name in ROW_LAYOUT:
+            row_bytes, extra = ROW_LAYOUT[name]
+            start = len(data) - row_bytes * (n_cells + extra)
+            out[f, 0] = zlib.crc32(view[:start])
+            ranges = [(start + row_bytes * int(offsets[k]),
+                       start + row_bytes * (int(offsets[k + 1]) + extra))
+                      for k in range(len(offsets) - 1)]  # fmt: skip
+        else:  # the WKB bytes, located by the geometry offsets
+            ranges = [(int(bounds[offsets[k]]), int(bounds[offsets[k + 1]]))
+                      for k in range(len(offsets) - 1)]  # fmt: skip
+        for k, (lo, hi) in enumerate(ranges):
+            out[f, 1 + k] = zlib.crc32(view[lo:hi])
+    return out
 
 
 def choose_grid(

@@ -308,6 +308,7 @@ class Store:
         if root.startswith("file://"):
             root = root[len("file://") :]
         self.is_local = not _is_url(root)
+        self._is_http = root.split("://", 1)[0] in ("http", "https")
         if self.is_local:
             self._root = Path(root)
             self._real_root: str | None = None
@@ -363,7 +364,9 @@ class Store:
                 return _call_with_timeout(call, max(0.0, min(self.timeout, remaining)))
             except FileNotFoundError:
                 raise FormatError(f"{self.describe(name)}: missing") from None
-            except self._transient as err:
+            except Exception as err:
+                if not self._is_transient(err):
+                    raise
                 elapsed = time.monotonic() - start
                 out_of_time = elapsed + delay >= self.deadline and not self.is_local
                 if attempt > self.retries or out_of_time:
@@ -375,6 +378,14 @@ class Store:
                 time.sleep(delay)
                 delay *= 2
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _is_transient(self, err: BaseException) -> bool:
+        """Whether a failed attempt may succeed if tried again: connection and timeout errors,
+        and HTTP answers that say so (408, 425, 429 and 5xx), whatever the client."""
+        if isinstance(err, self._transient):
+            return True
+        status = getattr(err, "status", None) or getattr(err, "status_code", None)
+        return isinstance(status, int) and (status >= 500 or status in (408, 425, 429))
 
     # -- local files: regular files inside the root only -----------------------------------------
 
@@ -417,7 +428,18 @@ class Store:
         """Whether object ``name`` exists."""
         if self.is_local:
             return os.path.lexists(self._path(name))
-        return self._retrying("exists", name, lambda: self._fs.exists(self._path(name)))
+        path = self._path(name)
+        if self._is_http:
+            # fsspec's HTTP exists() answers False for any error (a 503 included): ask
+            # strictly, so that errors are retried and only a 404 means absent.
+            def strict() -> bool:
+                try:
+                    return bool(self._fs.exists(path, strict=True))
+                except FileNotFoundError:
+                    return False
+
+            return self._retrying("exists", name, strict)
+        return self._retrying("exists", name, lambda: self._fs.exists(path))
 
     def size(self, name: str) -> int:
         """Size of object ``name`` in bytes."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import shutil
 import struct
@@ -53,6 +54,7 @@ __all__ = [
     "mutate_tile",
     "reference_decode",
     "repeat_tiles",
+    "reseal",
     "side_python",
 ]
 
@@ -463,6 +465,59 @@ def fuzz_obs_shards(root: str | Path, n_mutants: int, *, seed: int = 0) -> FuzzR
     return report
 
 
+def reseal(root: str | Path, manifest: dict | None = None) -> dict:
+    """Record a deliberately edited local dataset anew in its manifest, as someone who rewrites
+    the manifest would: the spatial grid checksums, the file table's sizes and hashes of the
+    files now there (nested datasets first), and the manifest's digest. Tests use it to reach
+    the checks that stand behind the digest and the file table (what a reader does with a
+    well-sealed lie).
+
+    Parameters
+    ----------
+    root
+        The dataset directory.
+    manifest
+        The manifest object to write (default: the one there), e.g. with values changed.
+
+    Returns
+    -------
+    dict
+        The manifest object written.
+    """
+    from deltacells.integrity import DIGEST_KEY, FILES_KEY, canonical_digest, file_record
+
+    root = Path(root)
+    path = root / "manifest.json"
+    obj = json.loads(path.read_text()) if manifest is None else json.loads(json.dumps(manifest))
+    from deltacells.spatial import (
+        GRID_SUMS_FILES,
+        GRID_SUMS_NAME,
+        TILE_OFFSETS_NAME,
+        grid_checksums,
+    )
+
+    if (root / GRID_SUMS_NAME).is_file() and (root / TILE_OFFSETS_NAME).is_file():
+        spatial = {n: (root / n).read_bytes() for n in GRID_SUMS_FILES if (root / n).is_file()}
+        buffer = io.BytesIO()
+        np.save(buffer, grid_checksums(spatial, np.load(root / TILE_OFFSETS_NAME)))
+        (root / GRID_SUMS_NAME).write_bytes(buffer.getvalue())
+    files = obj.get(FILES_KEY)
+    if isinstance(files, dict):
+        for name in list(files):
+            if name.endswith("/manifest.json") and (root / name).is_file():
+                reseal(root / name.rsplit("/", 1)[0])
+        for name in list(files):
+            target = root / name
+            if target.is_file():
+                files[name] = file_record(target.read_bytes())
+            else:
+                del files[name]
+    if DIGEST_KEY in obj or manifest is None or FILES_KEY in obj:
+        obj[DIGEST_KEY] = canonical_digest(obj)
+    path.write_text(json.dumps(obj, indent=1))
+    return obj
+
+
 def side_python(venv: str | Path, packages: list[str], explicit: str | None = None,
                 minimum: tuple[int, int] = (3, 12)) -> str | None:  # fmt: skip
     """The Python of a virtualenv at ``venv`` holding ``packages``, made on first use from a
@@ -582,11 +637,23 @@ def repeat_tiles(base: str | Path, target: str | Path, n_tiles: int, *,
                 schema_text, [m.tile_size] * n_tiles, [digest] * repeats
             ),
         }
+    chunk_sums = None
+    if m.chunk_sums is not None:  # the rows repeat with their tiles
+        sums_name = m.chunk_sums["file"]
+        (target / sums_name).write_bytes((base / sums_name).read_bytes() * repeats)
+        chunk_sums = dict(m.chunk_sums, row_crc32=m.chunk_sums["row_crc32"] * repeats)
+    files = None
+    if m.files is not None:
+        from deltacells.integrity import file_record
+
+        files = {name: file_record((target / name).read_bytes())
+                 for name in ("gene_order.npy", "var_names.txt", "var.parquet", OBS_SCHEMA_NAME)
+                 if (target / name).exists()}  # fmt: skip
     manifest = dataclasses.replace(
         m, n_cells=m.tile_size * n_tiles, tile_cells=m.tile_cells * repeats,
         tile_nnz=m.tile_nnz * repeats, tile_bytes=m.tile_bytes * repeats,
         tile_crc32=None if m.tile_crc32 is None else m.tile_crc32 * repeats,
-        metadata=metadata, **obs_fields,
+        metadata=metadata, files=files, chunk_sums=chunk_sums, **obs_fields,
     )  # fmt: skip
     (target / MANIFEST_NAME).write_text(manifest.to_json_text())
     return target

@@ -37,15 +37,20 @@ from deltacells.codec import (
     exception_limit,
 )
 from deltacells.dataset import CELL_ORDER_FILE
-from deltacells.format import MAGIC, STREAM_MAX, FormatError
+from deltacells.elements import ANNDATA_GROUP
+from deltacells.format import HEADER_SIZE, MAGIC, STREAM_MAX, FormatError
+from deltacells.integrity import chunk_sums_record, file_record, tile_checksum_row
 from deltacells.manifest import (
     GENE_ORDER_NAME,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     OBS_INDEX_COLUMN,
+    OBS_SCHEMA_NAME,
+    TILE_SUMS_NAME,
     VAR_NAMES_NAME,
     VAR_TABLE_NAME,
     Manifest,
+    StoredParts,
     tile_name,
 )
 from deltacells.storage import Store, open_store
@@ -722,7 +727,7 @@ _OWN_FILE = re.compile(
     r"((layers/[^/]+|raw)/)?"  # count layers and raw are datasets of their own
     r"(manifest\.json|gene_order\.npy|var_names\.txt|var\.parquet|cell_order\.npy"
     r"|spatial/(tile_offsets|centroids|shapes|geometry_offsets)\.npy|spatial/geometry\.wkb"
-    r"|genes/block_\d{6}\.dct"
+    r"|genes/block_\d{6}\.dct|(tiles|genes)/chunk_crc32\.bin|spatial/grid_crc32\.npy"
     r"|obs/schema\.json|tiles/tile_\d{6}\.dct|obs/obs_\d{4}\.parquet"
     r"|((tiles|obs|spatial|genes)/)?\.[^/]+\.tmp)"
     r"|anndata\.zarr/.+"  # anndata's element IO
@@ -1107,29 +1112,38 @@ def _write_dataset(
     """Pass 2: tiles, gene and obs files, and the manifest last (the commit point)."""
     s = settings
     if s.client is not None:
-        tile_cells, tile_nnz, tile_bytes, tile_crc32 = _write_tiles_distributed(
-            s.client, store, s, plan, progress_bar)
+        tile_cells, tile_nnz, tile_bytes, tile_crc32, headers, sum_rows = \
+            _write_tiles_distributed(s.client, store, s, plan, progress_bar)  # fmt: skip
     else:
-        tile_cells, tile_nnz, tile_bytes, tile_crc32 = _write_tiles(
+        tile_cells, tile_nnz, tile_bytes, tile_crc32, headers, sum_rows = _write_tiles(
             store, parts, plan, s.tile_size, s.n_chunks, s.zstd_level, s.n_threads,
             progress_bar, cache,
         )  # fmt: skip
+    files: dict[str, dict] = {}
+
+    def put(name: str, data: bytes) -> None:
+        store.write_atomic(name, data)
+        files[name] = file_record(data)
+
+    chunk_sums, sums_data = chunk_sums_record(TILE_SUMS_NAME, sum_rows, headers)
+    store.write_atomic(TILE_SUMS_NAME, sums_data)  # its rows are tied by chunk_sums
     if plan.gene_order is not None:
-        store.write_atomic(GENE_ORDER_NAME, _npy_bytes(plan.gene_order.astype(np.int32)))
+        put(GENE_ORDER_NAME, _npy_bytes(plan.gene_order.astype(np.int32)))
     if s.var:
         names_text = "".join(f"{name}\n" for name in plan.var_names)
-        store.write_atomic(VAR_NAMES_NAME, names_text.encode("utf-8"))
-        store.write_atomic(VAR_TABLE_NAME, _var_parquet(plan.var))
+        put(VAR_NAMES_NAME, names_text.encode("utf-8"))
+        put(VAR_TABLE_NAME, _var_parquet(plan.var))
     if plan.cell_order is not None:
-        store.write_atomic(CELL_ORDER_NAME, _npy_bytes(plan.cell_order.astype(np.int64)))
+        put(CELL_ORDER_NAME, _npy_bytes(plan.cell_order.astype(np.int64)))
     if plan.spatial is not None:
         for name, data in plan.spatial.files().items():
-            store.write_atomic(name, data)
+            put(name, data)
     obs_fields: dict[str, Any] = {}
     if s.obs:
         obs_fields = write_obs(store, obs_plan, lambda t: _tile_rows(plan, t, s.tile_size),
                                plan.offsets, plan.cell_order, tile_cells,
                                s.obs_tiles_per_file)  # fmt: skip
+        files[OBS_SCHEMA_NAME] = file_record(store.read_bytes(OBS_SCHEMA_NAME))
     extras = None
     if s.source is not None:
         from deltacells._extras import write_extras
@@ -1141,6 +1155,13 @@ def _write_dataset(
         extras = write_extras(store, s.source, layer=s.layer, use_raw=s.use_raw,
                               gene_order=plan.gene_order, cell_order=plan.cell_order,
                               options=options)  # fmt: skip
+        # Nested datasets are tied by their manifests; anndata's element files one by one.
+        stored = StoredParts(dict(extras["layers"]), extras["raw"], tuple(extras["elements"]))
+        for location in stored.matrices:
+            name = f"{location}/{MANIFEST_NAME}"
+            files[name] = file_record(store.read_bytes(name))
+        for name in store.list(ANNDATA_GROUP):
+            files[name] = file_record(store.read_bytes(name))
     meta = {
         "writer": f"deltacells {_package_version()}",
         "anndata": extras,
@@ -1172,6 +1193,8 @@ def _write_dataset(
         has_var_table=bool(s.var),
         has_obs=bool(s.obs),
         metadata=meta,
+        files=files,
+        chunk_sums=chunk_sums,
         **obs_fields,
     )
     store.write_atomic(MANIFEST_NAME, manifest.to_json_text().encode("utf-8"))
@@ -1262,13 +1285,15 @@ def _encode_tile_to(store: Store, parts, plan: _Plan, t: int, tile_size: int, n_
     blob = encode_tile(matrix, n_chunks=n_chunks, level=level, n_threads=n_threads)
     store.write_atomic(tile_name(t), blob)
     nnz = int(np.frombuffer(blob, "<u8", 1, 24)[0])
-    return matrix.shape[0], nnz, len(blob), int.from_bytes(blob[56:60], "little")
+    return (matrix.shape[0], nnz, len(blob), int.from_bytes(blob[56:60], "little"),
+            bytes(blob[:HEADER_SIZE]), tile_checksum_row(blob))  # fmt: skip
 
 
-def _columns(records: list) -> tuple[list, list, list, list]:
-    cells, nnz, sizes, crcs = (list(c) for c in zip(*records, strict=True)) if records \
-        else ([], [], [], [])  # fmt: skip
-    return cells, nnz, sizes, crcs
+def _columns(records: list) -> tuple[list, ...]:
+    """The tiles' records as columns: cells, nonzeros, bytes, CRC-32, headers, checksum rows."""
+    if not records:
+        return [], [], [], [], [], []
+    return tuple(list(c) for c in zip(*records, strict=True))
 
 
 @contextlib.contextmanager
