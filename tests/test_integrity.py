@@ -19,6 +19,7 @@ from test_tamper import everything
 
 import deltacells as dc
 from deltacells.cli import main
+from deltacells.integrity import sealed_json
 from deltacells.testing import reseal
 
 
@@ -80,7 +81,7 @@ def test_a_changed_value_is_refused_by_the_digest(full):
     text = manifest_text(full)
     (full / "manifest.json").write_text(text.replace('"has_gene_order": true',
                                                      '"has_gene_order": false'))  # fmt: skip
-    with pytest.raises(dc.FormatError, match="does not match its manifest_sha256"):
+    with pytest.raises(dc.FormatError, match="bytes do not match its manifest_sha256"):
         dc.open_dataset(full)
 
 
@@ -97,10 +98,23 @@ def test_missing_and_stray_keys_are_named(full):
         dc.open_dataset(full)
 
 
-def test_whitespace_and_key_order_do_not_matter(full):
+def test_every_byte_of_the_manifest_counts(full):
     obj = json.loads(manifest_text(full))
-    (full / "manifest.json").write_text(json.dumps(dict(reversed(obj.items()))))
-    dc.open_dataset(full).verify()
+    (full / "manifest.json").write_text(json.dumps(obj))  # the same content, other spacing
+    with pytest.raises(dc.FormatError, match="bytes do not match its manifest_sha256"):
+        dc.open_dataset(full)
+    text = manifest_text(full).replace(obj["manifest_sha256"], "0" * 64)
+    (full / "manifest.json").write_text(text)
+    with pytest.raises(dc.FormatError, match="bytes do not match"):
+        dc.open_dataset(full)
+
+
+def test_the_digest_is_the_hash_of_the_bytes_with_its_digits_zeroed(full):
+    import hashlib
+
+    data = (full / "manifest.json").read_bytes()
+    digest = json.loads(data)["manifest_sha256"]
+    assert hashlib.sha256(data.replace(digest.encode(), b"0" * 64)).hexdigest() == digest
 
 
 @pytest.mark.parametrize("entry", [{"bytes": -1, "sha256": "0" * 64}, {"bytes": 1},
@@ -108,24 +122,16 @@ def test_whitespace_and_key_order_do_not_matter(full):
 def test_malformed_file_table_entries(full, entry):
     obj = json.loads(manifest_text(full))
     obj["files"]["var.parquet"] = entry
-    reseal(full, obj)  # keeps the entry as given (var.parquet is rewritten below)
-    obj["files"]["var.parquet"] = entry
-    from deltacells.integrity import canonical_digest
-
-    obj["manifest_sha256"] = canonical_digest(obj)
-    (full / "manifest.json").write_text(json.dumps(obj))
+    (full / "manifest.json").write_text(sealed_json(obj))
     with pytest.raises(dc.FormatError, match=r"file table entry 'var\.parquet'"):
         dc.open_dataset(full)
 
 
 @pytest.mark.parametrize("name", ["../outside", "/etc/passwd", "a//b", "x/./y"])
 def test_file_table_names_stay_inside_the_dataset(full, name):
-    from deltacells.integrity import canonical_digest
-
     obj = json.loads(manifest_text(full))
     obj["files"][name] = {"bytes": 1, "sha256": "0" * 64}
-    obj["manifest_sha256"] = canonical_digest(obj)
-    (full / "manifest.json").write_text(json.dumps(obj))
+    (full / "manifest.json").write_text(sealed_json(obj))
     with pytest.raises(dc.FormatError, match="not a relative path inside the dataset"):
         dc.open_dataset(full)
 
@@ -317,5 +323,49 @@ def test_plain_http_without_listings_and_with_503s(pristine, tmp_path):
         assert (back.layers["spliced"].to_memory() != local.layers["spliced"].to_memory()).nnz == 0
         assert NoListingHandler.failed == NoListingHandler.flaky  # each answered 503 once
     finally:
+        server.shutdown()
+        server.server_close()
+
+
+class SilentOrFailingHandler(NoListingHandler):
+    """Elements that never answer (``silent``) or always fail with 500 (``failing``)."""
+
+    silent: tuple[str, ...] = ()
+    failing: tuple[str, ...] = ()
+
+    def do_GET(self) -> None:
+        name = self.path.split("/d/", 1)[-1]
+        if name.startswith(SilentOrFailingHandler.silent):
+            import time
+
+            time.sleep(20)
+            return
+        if name.startswith(SilentOrFailingHandler.failing):
+            self.send_error(500)
+            return
+        super().do_GET()
+
+
+@pytest.mark.parametrize("fault", ["silent", "failing"])
+def test_element_reads_keep_the_deadline_and_name_the_cause(pristine, tmp_path, fault):
+    import time
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0),
+                                 partial(SilentOrFailingHandler, directory=str(pristine.parent)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    NoListingHandler.flaky = set()
+    SilentOrFailingHandler.silent = ("anndata.zarr/obsm",) if fault == "silent" else ()
+    SilentOrFailingHandler.failing = ("anndata.zarr/obsm",) if fault == "failing" else ()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/d"
+        t0 = time.monotonic()
+        with pytest.raises(dc.FormatError, match=r"anndata\.zarr/obsm/") as info:
+            dc.read_deltacells(url, cache_dir=tmp_path, timeout=0.5, deadline=2)
+        assert time.monotonic() - t0 < 15
+        cause = str(info.value)
+        assert ("no answer within" in cause) if fault == "silent" else ("500" in cause)
+    finally:
+        SilentOrFailingHandler.silent = SilentOrFailingHandler.failing = ()
         server.shutdown()
         server.server_close()

@@ -15,6 +15,10 @@ Targets (each run in rounds of ``--batch`` mutants until the time or count is re
   truncation; everything is read back (tiles, genes, obs, the lazy AnnData, verify).
 * ``obs``: an obs shard damaged and its size, hash and fingerprint recorded anew, so pyarrow's
   parquet reader is reached; everything is read back.
+* ``tamper``: a dataset with every part (layers, raw, elements, spatial order, companion);
+  each of its files gets bit flips and truncations in turn and is read through every user
+  path (``deltacells.tamper``): no path may return a changed result without an error, and
+  ``verify`` must see every damage.
 
 Seeds are the golden tiles, tiles of the real data in ../shared/data and edge cases. Any other
 outcome stops the run with the target, seed and mutant index that reproduce it.
@@ -34,11 +38,18 @@ import numpy as np
 import scipy.sparse as sp
 
 import deltacells as dc
-from deltacells.testing import fuzz_frame_contents, fuzz_manifests, fuzz_obs_shards, fuzz_tiles
+from deltacells.tamper import tamper_dataset
+from deltacells.testing import (
+    FuzzReport,
+    fuzz_frame_contents,
+    fuzz_manifests,
+    fuzz_obs_shards,
+    fuzz_tiles,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data"
-TARGETS = ("tiles", "frames", "manifests", "obs")
+TARGETS = ("tiles", "frames", "manifests", "obs", "tamper")
 
 
 def seed_tiles() -> list[bytes]:
@@ -80,6 +91,26 @@ def seed_dataset(where: Path) -> Path:
     return where
 
 
+def tamper_round(tmp: Path, n: int, seed: int) -> FuzzReport:
+    """``n`` rounds over every file of a dataset with every part; stops at the first silent
+    change, missed damage or crash (naming it and the seed)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_tamper import everything
+
+    root = tmp / "everything"
+    if not root.exists():
+        everything(root)
+    out = FuzzReport()
+    for k in range(n):
+        report = tamper_dataset(root, flips_per_file=3, truncate=1.0, seed=seed + k)
+        bad = report.silent + report.missed + report.crashed
+        if bad:
+            raise SystemExit(f"tamper seed {seed + k}: " + "\n".join(bad[:20]))
+        out.rejected += report.refused
+        out.decoded += report.damages
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", choices=(*TARGETS, "all"), default="all")
@@ -100,11 +131,14 @@ def main() -> int:
             "frames": lambda n, seed: fuzz_frame_contents(tiles, n, seed=seed),
             "manifests": lambda n, seed: fuzz_manifests(dataset, n, seed=seed),
             "obs": lambda n, seed: fuzz_obs_shards(dataset, n, seed=seed),
+            "tamper": lambda n, seed: tamper_round(Path(tmp), n, seed),
         }
         for target in targets:
             t0 = time.perf_counter()
             done = rejected = decoded = 0
             batch = args.batch if target in ("tiles", "frames") else max(1, args.batch // 10)
+            if target == "tamper":
+                batch = 1  # one round: every file of the dataset damaged in turn
             while True:
                 if args.mutants is not None and done >= args.mutants:
                     break

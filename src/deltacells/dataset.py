@@ -697,6 +697,7 @@ class Dataset:
                              "elements": list(parts.elements)},
             "spatial_index": m.metadata.get("spatial_index"),
             "unchecked": self.unchecked_parts(),
+            "manifest_sha256": m.digest,
             "gene_major": None if m.metadata.get("gene_major") is None else {
                 k: v for k, v in m.metadata["gene_major"].items()
                 if k in ("block_cells", "chunk_genes", "n_blocks")} | {

@@ -145,6 +145,9 @@ def read_elements(store: Store, names: list[str], lazy: bool = False,
     except FormatError:
         raise
     except Exception as err:
+        checked = _format_error_in(err)
+        if checked is not None:
+            raise checked from None
         raise FormatError(f"{where}: cannot open the anndata group ({_cause(err)})") from None
     out: dict[str, Any] = {}
     for name in names:

@@ -1,7 +1,7 @@
 """What ties every stored byte to the manifest, beyond each tile's own CRC-32.
 
-* The manifest's own digest (``manifest_sha256``): SHA-256 of the canonical JSON of every other
-  key, so a flipped key or value anywhere in it is refused.
+* The manifest's own digest (``manifest_sha256``): SHA-256 of the manifest's bytes with the
+  digest's own 64 digits replaced by zeros, so any changed byte is refused.
 * The file table (``files``): size and SHA-256 of every file read whole (gene order, var tables,
   obs schema, cell order, spatial index files, the nested datasets' manifests and every file of
   the ``anndata.zarr`` element store). Tiles, obs shards and gene-major blocks have their own
@@ -11,7 +11,7 @@
   manifest keeps a CRC-32 of each tile's header and row. A partial read of a tile (ranged reads,
   the gene-major companion) checks exactly what it fetched without the whole tile's CRC.
 
-Like :mod:`deltacells.manifest`, this module does no I/O of its own: it checks bytes handed to it.
+Like ``deltacells.manifest``, this module does no I/O of its own: it checks bytes handed to it.
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ __all__ = [
     "FILES_KEY",
     "ChunkSums",
     "FileTable",
-    "canonical_digest",
     "check_checksum_row",
+    "check_seal",
     "chunk_crc",
     "file_record",
+    "sealed_json",
     "tile_checksum_row",
 ]
 
@@ -73,14 +74,32 @@ def file_record(data: Any) -> dict:
     return {"bytes": len(memoryview(data).cast("B")), "sha256": sha256_hex(data)}
 
 
-def canonical_digest(obj: Mapping[str, Any]) -> str:
-    """SHA-256 (hex) of the canonical JSON (sorted keys, no spaces, UTF-8) of ``obj`` without
-    its :data:`DIGEST_KEY`. Whitespace and key order of the stored text do not matter; every
-    key and value does."""
-    body = {k: v for k, v in obj.items() if k != DIGEST_KEY}
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False)  # fmt: skip
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+#: What stands for the digest while it is computed.
+_UNSEALED = "0" * 64
+
+
+def sealed_json(obj: Mapping[str, Any]) -> str:
+    """``obj`` as indented JSON text with ``manifest_sha256`` last, holding the SHA-256 (hex)
+    of that same text (UTF-8) in which the digest's 64 digits are zeros."""
+    body = {k: v for k, v in obj.items() if k != DIGEST_KEY} | {DIGEST_KEY: _UNSEALED}
+    text = json.dumps(body, indent=1, allow_nan=False)
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    field = f'"{DIGEST_KEY}": "{_UNSEALED}"'
+    head, _, tail = text.rpartition(field)
+    return f'{head}"{DIGEST_KEY}": "{digest}"{tail}'
+
+
+def check_seal(data: bytes, digest: Any, where: str) -> None:
+    """Refuse manifest bytes ``data`` unless ``digest`` (its stored ``manifest_sha256``) is the
+    SHA-256 of ``data`` with the digest's digits, found exactly once, replaced by zeros."""
+    if not isinstance(digest, str) or not _HEX64.match(digest):
+        raise FormatError(f"{where}: '{DIGEST_KEY}' must be 64 lowercase hex digits")
+    needle = digest.encode("ascii")
+    if data.count(needle) != 1:
+        raise FormatError(f"{where}: its {DIGEST_KEY} appears {data.count(needle)} times")
+    if hashlib.sha256(data.replace(needle, _UNSEALED.encode("ascii"))).hexdigest() != digest:
+        raise FormatError(f"{where}: the manifest's bytes do not match its {DIGEST_KEY} (a "
+                          "damaged or edited manifest; every byte is covered)")  # fmt: skip
 
 
 class FileTable:
@@ -90,7 +109,7 @@ class FileTable:
     ----------
     records
         ``{name: {"bytes": int, "sha256": hex}}`` as stored, or None (a dataset written before
-        file tables: nothing can be checked, :attr:`present` is False).
+        file tables: nothing can be checked, ``present`` is False).
     where
         The manifest's location, for messages.
     """
@@ -138,8 +157,8 @@ class FileTable:
         return size
 
     def check(self, name: str, data: Any, describe: Callable[[str], str]) -> None:
-        """Raise :class:`FormatError` unless ``data`` has the size and SHA-256 recorded for
-        ``name``. Without a file table (older datasets) nothing is checked."""
+        """Raise :class:`~deltacells.FormatError` unless ``data`` has the size and SHA-256
+        recorded for ``name``. Without a file table (older datasets) nothing is checked."""
         if not self.present:
             return
         size = self.require(name, describe)

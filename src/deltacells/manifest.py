@@ -28,7 +28,8 @@ from deltacells.integrity import (
     FILES_KEY,
     ChunkSums,
     FileTable,
-    canonical_digest,
+    check_seal,
+    sealed_json,
 )
 
 __all__ = [
@@ -284,9 +285,12 @@ class Manifest:
     #: The tiles' chunk checksums (``{"file", "slots", "row_crc32"}``), which let a partial
     #: read of a tile be checked. None for datasets written before them.
     chunk_sums: dict | None = None
-    #: Whether the stored manifest carried its own digest (:data:`.DIGEST_KEY`), checked when
+    #: Whether the stored manifest carried its own digest (``manifest_sha256``), checked when
     #: parsed. Manifests written before digests are read without one.
     sealed: bool = True
+    #: The stored ``manifest_sha256`` (None when not sealed or not read from a store). Keep a
+    #: copy elsewhere to detect a manifest rewritten on purpose.
+    digest: str | None = field(default=None, compare=False)
 
     def file_table(self, where: str = MANIFEST_NAME) -> FileTable:
         """The file table (an empty, absent one for older datasets)."""
@@ -351,8 +355,7 @@ class Manifest:
             obj[FILES_KEY] = self.files
         if self.chunk_sums is not None:
             obj[CHUNK_SUMS_KEY] = self.chunk_sums
-        obj[DIGEST_KEY] = canonical_digest(obj)
-        return json.dumps(obj, indent=1)
+        return sealed_json(obj)
 
     @classmethod
     def from_json_text(cls, text: str | bytes, where: str = MANIFEST_NAME) -> Manifest:
@@ -369,12 +372,8 @@ class Manifest:
         _check_keys(obj, where)
         sealed = DIGEST_KEY in obj
         if sealed:
-            digest = obj[DIGEST_KEY]
-            if not isinstance(digest, str) or digest != canonical_digest(obj):
-                raise FormatError(
-                    f"{where}: the manifest's content does not match its {DIGEST_KEY} (a "
-                    "damaged or edited manifest; every key and value is covered)"
-                )
+            check_seal(text.encode("utf-8") if isinstance(text, str) else bytes(text),
+                       obj[DIGEST_KEY], where)  # fmt: skip
         if obj.get("format") != DATASET_FORMAT:
             raise FormatError(f"{where}: format is {obj.get('format')!r}, not {DATASET_FORMAT!r}")
         version = obj.get("version")
@@ -433,6 +432,7 @@ class Manifest:
         metadata = obj.get("metadata", {})
         if not isinstance(metadata, dict):
             raise FormatError(f"{where}: 'metadata' must be a JSON object")
+        _check_metadata(metadata, where)
         files = obj.get(FILES_KEY)
         FileTable(files, where)  # checked here, used by the readers
         chunk_sums = obj.get(CHUNK_SUMS_KEY)
@@ -457,6 +457,7 @@ class Manifest:
             files=files,
             chunk_sums=chunk_sums,
             sealed=sealed,
+            digest=obj.get(DIGEST_KEY) if sealed else None,
             **fields,
         )
 
@@ -469,6 +470,47 @@ REQUIRED_KEYS = ("format", "version", "n_cells", "n_genes", "tile_size", "tile_c
 OBS_KEYS = ("obs_tiles_per_file", "obs_shard_bytes", "obs_shard_sha256", "obs_fingerprint")
 #: Keys this package adds (docs/format.md), each optional for datasets written before it.
 EXTENSION_KEYS = ("tile_crc32", FILES_KEY, CHUNK_SUMS_KEY, DIGEST_KEY)
+
+
+def _optional(kind: type | tuple[type, ...]):
+    def check(value: Any) -> bool:
+        return value is None or (isinstance(value, kind) and not (
+            isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,))))
+    return check
+
+
+def _shuffle_record(value: Any) -> bool:
+    return value is None or (isinstance(value, dict) and set(value) <= {"seed", "cell_order"}
+                             and _optional(str)(value.get("cell_order"))
+                             and _optional(int)(value.get("seed")))  # fmt: skip
+
+
+#: The metadata keys this package writes and reads, and what each may hold. Others are the
+#: user's (``write_deltacells(metadata=...)``) and never read. The records inside (anndata,
+#: spatial_index, gene_major, obs_pandas) are checked where they are read.
+METADATA_KEYS = {
+    "writer": _optional(str),
+    "anndata": _optional(dict),
+    "obs_index_column": _optional(str),
+    "obs_names_unique": _optional(bool),
+    "obs_pandas": _optional(dict),
+    "sources": lambda v: v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
+    "layer": _optional(str),
+    "join": _optional(str),
+    "shuffle": _shuffle_record,
+    "cell_order": _optional(str),
+    "spatial_index": _optional(dict),
+    "gene_major": _optional(dict),
+    "simulated": _optional(dict),
+}
+
+
+def _check_metadata(metadata: dict, where: str) -> None:
+    """Each metadata key this package reads holds what it must (type level)."""
+    for key, ok in METADATA_KEYS.items():
+        if key in metadata and not ok(metadata[key]):
+            raise FormatError(f"{where}: metadata {key!r} holds {metadata[key]!r}, not what "
+                              "the writer records there")  # fmt: skip
 
 
 def _check_keys(obj: dict, where: str) -> None:

@@ -41,6 +41,7 @@ from deltacells.format import (
     FormatError,
     parse_layout,
 )
+from deltacells.integrity import sealed_json
 
 __all__ = [
     "FuzzReport",
@@ -415,7 +416,11 @@ def fuzz_manifests(root: str | Path, n_mutants: int, *, seed: int = 0) -> FuzzRe
                 key = list(original)[int(rng.integers(len(original)))]
                 mutant = "{" + json.dumps(key) + ": 0, " + text.lstrip()[1:]
             else:
-                mutant = json.dumps(_mutate_json(original, rng))
+                changed = _mutate_json(original, rng)
+                # Half sealed anew, as a deliberate edit would be: the checks behind the
+                # digest must hold on their own.
+                sealed = i % 2 and isinstance(changed, dict)
+                mutant = sealed_json(changed) if sealed else json.dumps(changed)
             (work / "manifest.json").write_text(mutant)
             _read_back(report, work, Path(tmp) / f"cache{i % 4}", f"manifest mutant {i}",
                        mutant)  # fmt: skip
@@ -460,7 +465,7 @@ def fuzz_obs_shards(root: str | Path, n_mutants: int, *, seed: int = 0) -> FuzzR
                                      *manifest["obs_shard_sha256"][1:]]  # fmt: skip
             m["obs_fingerprint"] = obs_fingerprint(schema_text, m["tile_cells"],
                                                    m["obs_shard_sha256"])  # fmt: skip
-            (work / "manifest.json").write_text(json.dumps(m))
+            (work / "manifest.json").write_text(sealed_json(m))
             _read_back(report, work, Path(tmp) / "cache", f"obs shard mutant {i} (kind {kind})")
     return report
 
@@ -484,7 +489,7 @@ def reseal(root: str | Path, manifest: dict | None = None) -> dict:
     dict
         The manifest object written.
     """
-    from deltacells.integrity import DIGEST_KEY, FILES_KEY, canonical_digest, file_record
+    from deltacells.integrity import FILES_KEY, file_record
 
     root = Path(root)
     path = root / "manifest.json"
@@ -512,10 +517,9 @@ def reseal(root: str | Path, manifest: dict | None = None) -> dict:
                 files[name] = file_record(target.read_bytes())
             else:
                 del files[name]
-    if DIGEST_KEY in obj or manifest is None or FILES_KEY in obj:
-        obj[DIGEST_KEY] = canonical_digest(obj)
-    path.write_text(json.dumps(obj, indent=1))
-    return obj
+    text = sealed_json(obj)
+    path.write_text(text)
+    return json.loads(text)
 
 
 def side_python(venv: str | Path, packages: list[str], explicit: str | None = None,

@@ -44,6 +44,7 @@ from deltacells.manifest import (
     GENE_ORDER_NAME,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
+    METADATA_KEYS,
     OBS_INDEX_COLUMN,
     OBS_SCHEMA_NAME,
     TILE_SUMS_NAME,
@@ -902,7 +903,8 @@ def write_deltacells(
     storage_options
         fsspec options for URL targets.
     metadata
-        Extra JSON-serialisable entries for the manifest's ``metadata``.
+        Extra JSON-serialisable entries for the manifest's ``metadata`` (not named as the
+        writer's own entries, :data:`deltacells.manifest.METADATA_KEYS`).
     cache_bytes
         Input read from files is checked in a first pass and encoded in a second; up to this
         many bytes of checked blocks are kept between the passes so that small inputs are read
@@ -945,6 +947,10 @@ def write_deltacells(
     tile_size = DEFAULT_TILE_SIZE if tile_size is None else tile_size
     if tile_size < 1 or (n_chunks is not None and n_chunks < 1) or obs_tiles_per_file < 1:
         raise ValueError("tile_size, n_chunks and obs_tiles_per_file must be >= 1")
+    reserved = sorted(set(metadata or {}) & set(METADATA_KEYS))
+    if reserved:
+        raise ValueError(f"metadata keys {reserved} are the writer's own; name yours otherwise "
+                         "(e.g. metadata={'my_" + reserved[0] + "': ...})")  # fmt: skip
     sources = list(source) if isinstance(source, list | tuple) else [source]
     if not sources:
         raise ValueError("no source given")
