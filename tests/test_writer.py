@@ -279,7 +279,12 @@ def test_var_table_of_many_files_is_each_genes_first_row(tmp_path, join):
     back = dc.read_deltacells(tmp_path / "d", elements=False).var
     everything = pd.concat(frames)
     expected = everything[~everything.index.duplicated(keep="first")].reindex(back.index)
-    pd.testing.assert_frame_equal(back, expected, check_dtype=False)
+    # A gene missing from the one file with "flag" is missing in both; an object column
+    # stored in parquet reads its missing values back as None where pandas' concatenation
+    # put NaN (pandas 3 tells them apart, pandas 2 did not).
+    missing = lambda frame: frame.astype(object).where(frame.notna(), None)  # noqa: E731
+    pd.testing.assert_frame_equal(missing(back), missing(expected), check_dtype=False)
+    assert list(back.dtypes.astype(str)) == list(expected.dtypes.astype(str))
 
 
 def test_same_join_refuses_different_genes(tmp_path):

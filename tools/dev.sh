@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set-up and the project's jobs in one place; every job first makes sure the environment exists.
 #   bash tools/dev.sh demo   convert real data, read it back, slice it, print sizes and speeds
-#   bash tools/dev.sh test   lint, the docs build (sphinx -n -W) and the test suite (what CI runs)
+#   bash tools/dev.sh test   lint, the docs build (sphinx -n -W) and the test suite on both
+#                            stacks: Python 3.11 + anndata 0.12, Python 3.12+ + anndata 0.13
+#                            (what CI runs); test311 / test-newest run one stack
 #   bash tools/dev.sh bench  the benchmarks (JSON + plots under benchmarks/results and docs/)
 #   bash tools/dev.sh docs   build the Sphinx docs into docs/_build/html, warnings as errors
 #   bash tools/dev.sh wheel  build a wheel and bundle libzstd/libdeflate/libgomp into wheelhouse/
@@ -63,6 +65,51 @@ ensure_environment() {
   fi
 }
 
+# The second stack users have: Python 3.12 (or 3.13) with the newest anndata, pandas, zarr and
+# scanpy that pip resolves there (anndata 0.13 needs Python >= 3.12). torch is left out: its
+# CPU build is on this machine for Python 3.11 only (elsewhere pip would fetch a CUDA build).
+NEW_VENV="${DELTACELLS_NEW_VENV:-$ROOT/.venvs/newest}"
+
+find_new_python() {
+  local candidate
+  for candidate in python3.12 python3.13 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 \
+                   "$HOME"/.pyenv/versions/3.13*/bin/python3.13; do
+    if "$candidate" -c 'import sys; assert sys.version_info >= (3, 12)' >/dev/null 2>&1; then
+      command -v "$candidate" 2>/dev/null || echo "$candidate"
+      return 0
+    fi
+  done
+  return 1
+}
+
+ensure_new_stack() {
+  ensure_system_libraries
+  local python stamp wanted
+  if ! python="$(find_new_python)"; then
+    echo "deltacells: the second test stack needs Python 3.12 or 3.13 (none found); install" \
+         "one (e.g. pyenv install 3.12) or run only the first stack: bash tools/dev.sh test311" >&2
+    exit 1
+  fi
+  if [ ! -x "$NEW_VENV/bin/python" ]; then
+    "$python" -m venv "$NEW_VENV"
+  fi
+  stamp="$NEW_VENV/.deltacells-installed"
+  wanted="$({ cat pyproject.toml meson.build src/deltacells/meson.build
+              pkg-config --modversion libdeflate 2>/dev/null || true; } | sha256sum | cut -d' ' -f1)"
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ] \
+     || ! "$NEW_VENV/bin/python" -c "import deltacells" >/dev/null 2>&1; then
+    "$NEW_VENV/bin/python" -m pip install -q --upgrade pip
+    "$NEW_VENV/bin/python" -m pip install -q "meson-python>=0.15" "meson>=1.1" ninja "cython>=3.0.8" numpy
+    "$NEW_VENV/bin/python" -m pip install -q --upgrade --no-build-isolation \
+      -e ".[test,bench,docs,dask,spatial,obstore,wheel]" scanpy anndata pandas zarr
+    echo "$wanted" > "$stamp"
+  fi
+}
+
+stack_versions() {
+  "$1" -c 'import sys, importlib.metadata as m; print("deltacells: testing on Python", sys.version.split()[0], *(f"{p} {m.version(p)}" for p in ("anndata", "pandas", "zarr", "numpy", "scipy")))'
+}
+
 # Debian ships the Python, scipy, pandas and fsspec docs' inventories: the docs' links to those
 # projects are then checked on machines without the web (CI reaches only PyPI and Debian).
 DOC_PACKAGES="python3-doc python-scipy-doc python-pandas-doc python-fsspec-doc"
@@ -89,11 +136,29 @@ case "$job" in
     "$VENV/bin/python" tools/demo.py "$@"
     ;;
   test)
+    # Both stacks users have: Python 3.11 with anndata 0.12, then Python 3.12+ with the
+    # newest anndata, pandas, zarr and scanpy. Each suite runs whole even if the other failed.
     ensure_environment
     "$VENV/bin/ruff" check src tests benchmarks tools docs
     "$VENV/bin/cython-lint" src/deltacells/*.pyx src/deltacells/*.pxd
     build_docs
+    stack_versions "$VENV/bin/python"
+    status=0
+    "$VENV/bin/python" -m pytest "$@" || status=$?
+    ensure_new_stack
+    stack_versions "$NEW_VENV/bin/python"
+    "$NEW_VENV/bin/python" -m pytest "$@" || status=$?
+    exit $status
+    ;;
+  test311)
+    ensure_environment
+    stack_versions "$VENV/bin/python"
     "$VENV/bin/python" -m pytest "$@"
+    ;;
+  test-newest)
+    ensure_new_stack
+    stack_versions "$NEW_VENV/bin/python"
+    "$NEW_VENV/bin/python" -m pytest "$@"
     ;;
   bench)
     ensure_environment
@@ -113,7 +178,7 @@ case "$job" in
     "$VENV/bin/auditwheel" repair -w "$ROOT/wheelhouse" "$ROOT"/build/wheel/deltacells-*.whl
     ;;
   *)
-    echo "usage: bash tools/dev.sh {demo|test|bench|docs|wheel} [args...]" >&2
+    echo "usage: bash tools/dev.sh {demo|test|test311|test-newest|bench|docs|wheel} [args...]" >&2
     exit 2
     ;;
 esac

@@ -18,7 +18,7 @@ import anndata as ad
 import numpy as np
 
 from deltacells.codec import CountError
-from deltacells.elements import ELEMENTS, ElementsWarning, write_elements
+from deltacells.elements import ELEMENTS, ElementsWarning, layer_names, write_elements
 from deltacells.storage import Store
 
 __all__ = ["LAYERS_DIR", "RAW_DIR", "has_raw", "layer_dir", "write_extras"]
@@ -77,7 +77,7 @@ class _Source:
 
     def layer_names(self) -> list[str]:
         if self.adata is not None:
-            return list(self.adata.layers)
+            return layer_names(self.adata)
         return list(self._group["layers"]) if "layers" in self._group else []
 
     def layer(self, name: str) -> Any:

@@ -651,6 +651,28 @@ def _register_with_anndata() -> None:
 _register_with_anndata()
 
 
+def _register_with_fast_array_utils() -> None:
+    """scanpy 1.12 computes its statistics with fast_array_utils, which dispatches on the
+    array type and raises a bare ``NotImplementedError`` for types it does not know: sums of
+    our X are computed tile by tile; anything else says what to do instead. Internal to
+    fast_array_utils: if it moves, scanpy's error stays its own."""
+    try:
+        from fast_array_utils.stats._generic_ops import generic_op
+    except ImportError:  # not installed (scanpy < 1.12), or its internals moved
+        return
+
+    @generic_op.register(DeltacellsCSRDataset)
+    def _generic_op_lazy(x: DeltacellsCSRDataset, /, op: str, *, axis: Any = None,
+                         dtype: Any = None, keep_cupy_as_array: bool = False) -> Any:  # fmt: skip
+        if op == "sum":
+            total = x.sum(axis=axis, dtype=dtype)
+            return total if axis is None else np.asarray(total).ravel()
+        raise TypeError(_LAZY_ADVICE.format(what=f"the {op} of X"))
+
+
+_register_with_fast_array_utils()
+
+
 def read_deltacells(
     url_or_path: str | os.PathLike,
     *,

@@ -33,6 +33,7 @@ __all__ = [
     "ANNDATA_GROUP",
     "ELEMENTS",
     "ElementsWarning",
+    "layer_names",
     "open_group",
     "permute_cells",
     "read_elements",
@@ -43,6 +44,11 @@ __all__ = [
 ANNDATA_GROUP = "anndata.zarr"
 #: Elements stored there (plus ``layers`` for layers that are not counts).
 ELEMENTS = ("obsm", "varm", "obsp", "varp", "uns")
+
+
+def layer_names(adata: ad.AnnData) -> list[str]:
+    """The names of ``adata``'s layers (anndata 0.13 also lists X there, as ``None``)."""
+    return [name for name in adata.layers if name is not None]
 
 
 class ElementsWarning(UserWarning):
@@ -66,9 +72,17 @@ def open_group(store: Store, mode: str = "r"):
 
     if mode == "r":
         return zarr.open_group(_group_location(store, read_only=True), mode="r")
-    # The group in the zarr format anndata writes its elements in.
     return zarr.open_group(_group_location(store, read_only=False), mode="w",
-                           zarr_format=ad.settings.zarr_write_format)  # fmt: skip
+                           zarr_format=_zarr_write_format())  # fmt: skip
+
+
+def _zarr_write_format() -> int:
+    """The zarr format anndata writes elements in: its setting up to 0.12; from 0.13, which
+    deprecates the setting (zarr 3 becomes its only default in 0.14), format 3."""
+    from importlib.metadata import version
+
+    major, minor = (int(p) for p in version("anndata").split(".")[:2])
+    return 3 if (major, minor) >= (0, 13) else ad.settings.zarr_write_format
 
 
 def permute_cells(value: Any, order: np.ndarray, both_axes: bool = False) -> Any:

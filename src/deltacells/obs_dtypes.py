@@ -23,16 +23,33 @@ __all__ = ["pandas_record", "restore_dtypes"]
 
 #: dtypes a record may name (anything else in a manifest is refused, never passed to pandas).
 _ALLOWED = re.compile(
-    r"category|object|string|bool|boolean|u?int(8|16|32|64)|U?Int(8|16|32|64)"
+    r"category|object|str|string|bool|boolean|u?int(8|16|32|64)|U?Int(8|16|32|64)"
     r"|float(16|32|64)|Float(32|64)"
 )
+
+
+def _string_name(dtype: pd.StringDtype) -> str:
+    """``"str"`` for pandas 3's default string dtype (missing values are NaN), ``"string"``
+    for the nullable one (missing values are ``pd.NA``)."""
+    return "string" if getattr(dtype, "na_value", pd.NA) is pd.NA else "str"
+
+
+def _string_dtype(name: str) -> Any:
+    """The string dtype a record names; ``"str"`` where pandas has no such dtype (before
+    2.3) reads as object strings, which is what pandas 2 writes for the same data."""
+    if name == "string":
+        return pd.StringDtype()
+    try:
+        return pd.StringDtype(na_value=np.nan)
+    except TypeError:  # pragma: no cover - pandas < 2.3
+        return object
 
 
 def _dtype_name(dtype: Any) -> str | None:
     if isinstance(dtype, pd.CategoricalDtype):
         return "category"
     if isinstance(dtype, pd.StringDtype):
-        return "string"
+        return _string_name(dtype)
     name = str(dtype)
     return name if _ALLOWED.fullmatch(name) else None
 
@@ -49,8 +66,9 @@ def pandas_record(obs: pd.DataFrame) -> dict[str, dict]:
         if isinstance(obs[column].dtype, pd.CategoricalDtype):
             if obs[column].cat.ordered:
                 entry["ordered"] = True
-            if isinstance(obs[column].cat.categories.dtype, pd.StringDtype):
-                entry["categories"] = "string"  # what anndata reads string categories as
+            categories = obs[column].cat.categories.dtype
+            if isinstance(categories, pd.StringDtype):
+                entry["categories"] = _string_name(categories)
         if isinstance(column, bool | int | float | np.integer | np.floating):
             entry["name"] = column.item() if isinstance(column, np.generic) else column
         elif not isinstance(column, str):
@@ -87,10 +105,11 @@ def restore_dtypes(frame: pd.DataFrame, record: Any, where: str) -> pd.DataFrame
             raise FormatError(f"{where}: obs column {column!r} has recorded dtype {dtype!r}")
         try:
             frame[column] = _convert(frame[column], dtype, entry.get("ordered") is True)
-            if entry.get("categories") == "string" and dtype == "category":
+            kind = entry.get("categories")
+            if kind in ("string", "str") and dtype == "category":
                 series = frame[column]
                 frame[column] = series.cat.rename_categories(
-                    series.cat.categories.astype("string")
+                    series.cat.categories.astype(_string_dtype(kind))
                 )
         except (TypeError, ValueError) as err:
             raise FormatError(
@@ -113,4 +132,6 @@ def _convert(series: pd.Series, dtype: str | None, ordered: bool) -> pd.Series:
     if dtype == "object":
         values = series.astype(object)
         return values.where(series.notna(), None) if series.isna().any() else values
+    if dtype in ("str", "string"):
+        return series.astype(_string_dtype(dtype))
     return series.astype(dtype)

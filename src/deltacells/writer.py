@@ -37,7 +37,7 @@ from deltacells.codec import (
     exception_limit,
 )
 from deltacells.dataset import CELL_ORDER_FILE
-from deltacells.elements import ANNDATA_GROUP
+from deltacells.elements import ANNDATA_GROUP, layer_names
 from deltacells.format import HEADER_SIZE, MAGIC, STREAM_MAX, FormatError
 from deltacells.integrity import chunk_sums_record, file_record, tile_checksum_row
 from deltacells.manifest import (
@@ -271,7 +271,7 @@ def _part_from_anndata(adata: ad.AnnData, layer: str | None, use_raw: bool) -> _
         matrix, var = adata.raw.X, adata.raw.var
     elif layer is not None:
         if layer not in adata.layers:
-            raise KeyError(f"layer {layer!r} not found (layers: {list(adata.layers)})")
+            raise KeyError(f"layer {layer!r} not found (layers: {layer_names(adata)})")
         matrix, var = adata.layers[layer], adata.var
     else:
         matrix, var = adata.X, adata.var
@@ -1234,7 +1234,8 @@ def _warn_if_dropped(sources: list) -> None:
     found: set[str] = set()
     for item in sources:
         if isinstance(item, ad.AnnData):
-            found.update(n for n in names if len(getattr(item, n)))
+            found.update(n for n in ELEMENTS if len(getattr(item, n)))
+            found.update(["layers"] if layer_names(item) else [])
             found.update(["raw"] if item.raw is not None else [])
         else:
             group, closers = _open_group(Path(item))
