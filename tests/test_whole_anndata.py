@@ -121,13 +121,32 @@ def test_from_an_h5ad_file_and_lazily(tmp_path):
 
 def test_counts_layer_that_is_x_is_stored_once(tmp_path):
     source = processed(seed=2)
-    source.X = source.layers["lognorm"].copy()  # X normalised, counts in a layer
+    source.X = source.layers["counts"]  # the same matrix
     dc.write_deltacells(source, tmp_path / "d", layer="counts", progress=False)
     record = dc.open_dataset(tmp_path / "d").manifest.metadata["anndata"]
-    assert record["layers"]["counts"] == "."
+    assert record["layers"]["counts"] == "." and "X" not in record["elements"]
     back = dc.read_deltacells(tmp_path / "d")
     assert back.layers["counts"] is back.X
     assert (back.X.to_memory() != source.layers["counts"]).nnz == 0
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_normalised_x_is_kept_beside_the_counts_layer(tmp_path, shuffle):
+    """layer="counts" stores the counts as tiles; X (log-normalised) is kept and read back
+    as X, the counts as the layer (lazy)."""
+    source = processed(seed=2)
+    source.X = source.layers["lognorm"].copy()
+    dc.write_deltacells(source, tmp_path / "d", layer="counts", shuffle=shuffle, progress=False)
+    record = dc.open_dataset(tmp_path / "d").manifest.metadata["anndata"]
+    assert record["layers"]["counts"] == "." and "X" in record["elements"]
+    back = dc.read_deltacells(tmp_path / "d")
+    expected = in_stored_order(source, back)
+    assert sp.issparse(back.X) and back.X.dtype == expected.X.dtype
+    assert (sp.csr_matrix(back.X) != expected.X).nnz == 0
+    assert (back.layers["counts"].to_memory() != expected.layers["counts"]).nnz == 0
+    lazy = dc.read_deltacells(tmp_path / "d", elements="lazy")
+    np.testing.assert_allclose(sp.csr_matrix(lazy.X.compute()).toarray(),
+                               expected.X.toarray())  # fmt: skip
 
 
 def test_stored_column_order_keeps_varm_with_var(tmp_path):
@@ -270,3 +289,66 @@ def test_convert_says_what_it_kept(tmp_path, capsys):
     assert "raw: stored as a count matrix" in out
     assert "obsm: stored with anndata's element IO" in out
     assert "layers that are not counts: stored" in out
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_processed_with_counts_layer_keeps_everything(tmp_path, shuffle):
+    """What a scanpy user has after preprocessing: log-normalised X and raw, counts in a layer.
+    With layer="counts" the counts are the tiles, and X and raw (not counts) are kept too:
+    every element reads back equal, nothing is dropped and nothing is warned about."""
+    import warnings
+
+    source = processed(seed=11)
+    source.X = source.layers["lognorm"].copy()
+    source.raw = source.copy()  # log-normalised, as scanpy leaves it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ElementsWarning)
+        dc.write_deltacells(source, tmp_path / "d", layer="counts", tile_size=64,
+                            shuffle=shuffle, progress=False)  # fmt: skip
+    back = dc.read_deltacells(tmp_path / "d", cache_dir=tmp_path / "cache")
+    expected = in_stored_order(source, back)
+    assert isinstance(back.layers["counts"], dc.DeltacellsCSRDataset)
+    np.testing.assert_array_equal(sp.csr_matrix(back.X).toarray(), expected.X.toarray())
+    assert (back.layers["counts"].to_memory() != expected.layers["counts"]).nnz == 0
+    np.testing.assert_array_equal(back.layers["lognorm"].toarray(),
+                                  expected.layers["lognorm"].toarray())  # fmt: skip
+    np.testing.assert_array_equal(sp.csr_matrix(back.raw.X).toarray(),
+                                  sp.csr_matrix(expected.raw.X).toarray())  # fmt: skip
+    pd.testing.assert_frame_equal(back.raw.var, expected.raw.var)
+    pd.testing.assert_frame_equal(back.obs, expected.obs)
+    for key in expected.obsm:
+        assert_equal(back.obsm[key], expected.obsm[key])
+    for key in expected.obsp:
+        assert (back.obsp[key] != expected.obsp[key]).nnz == 0
+    assert_equal(dict(back.uns), dict(expected.uns))
+
+
+def test_the_error_for_normalised_x_names_the_counts_layer(tmp_path, capsys):
+    from deltacells.cli import main
+
+    source = processed(seed=12)
+    source.X = source.layers["lognorm"].copy()
+    with pytest.raises(ValueError, match=r"layers \['counts'\] do: pass layer='counts'"):
+        dc.write_deltacells(source, tmp_path / "a", progress=False)
+    source.write_h5ad(tmp_path / "x.h5ad")
+    assert main(["convert", str(tmp_path / "x.h5ad"), str(tmp_path / "b"), "--quiet"]) == 1
+    assert "layers ['counts'] do: pass --layer counts" in capsys.readouterr().err
+    only_raw = ad.AnnData(X=source.X, raw=ad.AnnData(X=source.layers["counts"]))
+    with pytest.raises(ValueError, match=r"raw\.X does: pass use_raw=True"):
+        dc.write_deltacells(only_raw, tmp_path / "c", progress=False)
+
+
+@pytest.mark.parametrize(("written", "read"), [(np.int32, np.int32), (np.float32, np.float32),
+                                               (np.float64, np.float64), (np.int64, np.int32),
+                                               (np.uint16, np.int32)])
+def test_counts_come_back_in_the_dtype_written(tmp_path, written, read):
+    source = processed(seed=13)
+    source.X = sp.csr_matrix(source.layers["counts"]).astype(written)
+    source.layers["counts"] = source.X.copy()  # each matrix comes back in its own dtype
+    dc.write_deltacells(source, tmp_path / "d", progress=False)
+    back = dc.read_deltacells(tmp_path / "d")
+    assert back.X.dtype == read and back.X.to_memory().dtype == read
+    assert back.layers["counts"].dtype == back.X.dtype
+    assert (back.X.to_memory() != sp.csr_matrix(source.X).astype(read)).nnz == 0
+    chosen = dc.read_deltacells(tmp_path / "d", values_dtype=np.float64)
+    assert chosen.X.dtype == np.float64 and chosen.X[:3].dtype == np.float64

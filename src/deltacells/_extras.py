@@ -16,6 +16,7 @@ from typing import Any
 
 import anndata as ad
 import numpy as np
+import scipy.sparse as sp
 
 from deltacells.codec import CountError
 from deltacells.elements import ELEMENTS, ElementsWarning, layer_names, write_elements
@@ -85,6 +86,33 @@ class _Source:
             return self.adata.layers[name]
         return ad.io.read_elem(self._group["layers"][name])
 
+    def x(self) -> Any:
+        """X (None if there is none)."""
+        if self.adata is not None:
+            return self.adata.X
+        return ad.io.read_elem(self._group["X"]) if "X" in self._group else None
+
+    def x_is_layer(self, name: str) -> bool:
+        """Whether X holds exactly layer ``name``'s values (in-memory inputs; files are not
+        compared, their X is kept)."""
+        if self.adata is None or self.adata.X is None:
+            return False
+        x, layer = self.adata.X, self.adata.layers[name]
+        if x is layer:
+            return True
+        if x.shape != layer.shape or sp.issparse(x) != sp.issparse(layer):
+            return False
+        if sp.issparse(x):
+            return (sp.csr_matrix(x) != sp.csr_matrix(layer)).nnz == 0
+        return bool(np.array_equal(np.asarray(x), np.asarray(layer)))
+
+    def raw(self) -> ad.AnnData:
+        """raw as an AnnData of its X, var and varm."""
+        if self.adata is not None:
+            raw = self.adata.raw
+            return ad.AnnData(X=raw.X, var=raw.var, varm=dict(raw.varm))
+        return ad.io.read_elem(self._group["raw"])
+
     def has_raw(self) -> bool:
         if self.adata is not None:
             return self.adata.raw is not None
@@ -141,12 +169,16 @@ def write_extras(
                     write_deltacells(source, _child(store, RAW_DIR), use_raw=True,
                                      **nested)  # fmt: skip
                     record["raw"] = RAW_DIR
-                except (CountError, ValueError) as err:
-                    warnings.warn(f"raw is left out: its X is not counts ({err})",
-                                  ElementsWarning, stacklevel=3)  # fmt: skip
+                except (CountError, ValueError):
+                    # Not counts (e.g. log-normalised): anndata's encoding, read back as raw.
+                    elements["raw"] = src.raw()
         if use_raw and src.adata is not None and src.adata.X is not None:
             warnings.warn("X is left out: with use_raw=True the dataset's X is raw.X",
                           ElementsWarning, stacklevel=3)  # fmt: skip
+        if layer is not None and not use_raw and not src.x_is_layer(layer):
+            # The tiles hold the layer; the AnnData's own X (log-normalised, say) is kept
+            # beside them and read back as X.
+            elements["X"] = src.x()
         elements["layers"] = other_layers
         record["elements"] = write_elements(store, elements, cell_order)
         return record

@@ -30,7 +30,7 @@ from deltacells.manifest import MANIFEST_NAME, StoredParts, tile_name
 from deltacells.obs_dtypes import restore_dtypes
 from deltacells.obscache import ObsCache
 
-__all__ = ["DeltacellsCSRDataset", "read_deltacells"]
+__all__ = ["DeltacellsCSRDataset", "read_deltacells", "written_values_dtype"]
 
 COLUMN_ORDERS = ("source", "stored")
 
@@ -86,7 +86,8 @@ class DeltacellsCSRDataset(CSRDataset):
         ``"source"`` (the gene order the data was written in, via ``gene_order.npy``) or
         ``"stored"`` (the on-disk order, skipping the column permutation).
     values_dtype
-        ``float32`` (default), ``float64`` or ``int32``.
+        ``float32``, ``float64`` or ``int32``; ``None`` (default): the counts' dtype as
+        written (:func:`written_values_dtype`).
     n_threads
         Decoding threads; ``None`` resolves like scikit-learn.
     tile_cache_bytes
@@ -103,7 +104,7 @@ class DeltacellsCSRDataset(CSRDataset):
         dataset: Dataset,
         *,
         column_order: str = "source",
-        values_dtype: DTypeLike = np.float32,
+        values_dtype: DTypeLike | None = None,
         n_threads: int | None = None,
         tile_cache_bytes: int = 256 * 2**20,
         ranged_reads: bool = False,
@@ -112,7 +113,8 @@ class DeltacellsCSRDataset(CSRDataset):
             raise ValueError(f"column_order must be one of {COLUMN_ORDERS}, not {column_order!r}")
         self.dataset = dataset
         self.column_order = column_order
-        self.dtype = _value_dtype(values_dtype)
+        self.dtype = _value_dtype(written_values_dtype(dataset) if values_dtype is None
+                                  else values_dtype)  # fmt: skip
         self.n_threads = n_threads
         self.tile_cache_bytes = tile_cache_bytes
         #: Fetch only the chunks a row selection needs (no tile CRC check); see
@@ -678,7 +680,7 @@ def read_deltacells(
     *,
     obs: bool | Sequence[str] = True,
     column_order: str = "source",
-    values_dtype: DTypeLike = np.float32,
+    values_dtype: DTypeLike | None = None,
     storage_options: dict | None = None,
     cache_dir: str | os.PathLike | None = None,
     n_threads: int | None = None,
@@ -704,7 +706,9 @@ def read_deltacells(
         ``"source"`` (default): genes in the order they were written, with ``var`` in that
         order; ``"stored"``: the on-disk order (faster, no column permutation).
     values_dtype
-        dtype of decoded values: ``float32`` (default), ``float64`` or ``int32``.
+        dtype of decoded values: ``float32``, ``float64`` or ``int32``. Default: the counts'
+        dtype as written (int32 counts come back as int32, float32 as float32; see
+        :func:`written_values_dtype`), float32 for datasets that do not record it.
     storage_options
         fsspec options for URLs.
     cache_dir
@@ -768,8 +772,26 @@ def read_deltacells(
         selected = np.arange(dataset.manifest.n_cells) if rows is None else rows
         rows = selected[np.argsort(cell_order[selected], kind="stable")]
     parts = _stored_parts(dataset, X, elements, options)
+    # Written with layer=: the tiles hold that layer, and the AnnData's own X is an element.
+    X = parts.pop("X", X)
     adata = ad.AnnData(X=X, obs=obs_frame, var=var, **parts)
     return adata if rows is None else adata[rows]
+
+
+def written_values_dtype(dataset: Dataset) -> np.dtype:
+    """The values dtype a reader decodes into by default: the counts' dtype as written
+    (``metadata["values_dtype"]``) where the decoder makes it (int32, float32, float64);
+    other integers decode as int32 and other floats as float32, every count exactly (counts
+    are below 2^31). float32 for datasets that do not record it."""
+    name = dataset.manifest.metadata.get("values_dtype")
+    try:
+        dtype = np.dtype(name) if name is not None else np.dtype(np.float32)
+    except TypeError:
+        return np.dtype(np.float32)
+    if dtype.kind in "iu":
+        return np.dtype(np.int32)
+    return dtype if dtype in (np.dtype(np.float32), np.dtype(np.float64)) else \
+        np.dtype(np.float32)  # fmt: skip
 
 
 def _lazy_matrix(dataset: Dataset, options: dict) -> Any:

@@ -368,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
 #: Library phrasing -> the flags a command-line user types.
 _FLAG_LANGUAGE = (
     (re.compile(r"pass overwrite=True \(deltacells convert --overwrite\)"), "pass --overwrite"),
+    (re.compile(r"pass layer='([^']+)' \(deltacells convert --layer [^)]+\)"), r"pass --layer \1"),
+    (re.compile(r"pass use_raw=True \(deltacells convert --raw\)"), "pass --raw"),
     (re.compile(r"overwrite=True"), "--overwrite"),
     (re.compile(r"join='(\w+)'"), r"--join \1"),
     (re.compile(r"obs_exclude=\[([^\]]*)\]"),

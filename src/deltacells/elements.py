@@ -106,16 +106,23 @@ def write_elements(
     An element anndata cannot write is left out with an :class:`ElementsWarning` naming it.
     """
     written: list[str] = []
-    present = {k: v for k, v in elements.items() if v is not None and len(v)}
+    present = {k: v for k, v in elements.items()
+               if v is not None and (k in ("X", "raw") or len(v))}  # fmt: skip
     if not present:
         return written
     group = open_group(store, "w")
     for name, mapping in present.items():
-        out = {}
-        for key, value in mapping.items():
-            if cell_order is not None and name in ("obsm", "obsp", "layers"):
-                value = permute_cells(value, cell_order, both_axes=name == "obsp")
-            out[key] = value
+        if name == "X":  # one matrix, rows in the stored cell order
+            out = mapping if cell_order is None else permute_cells(mapping, cell_order)
+        elif name == "raw":  # an AnnData of raw's X, var and varm
+            X = mapping.X if cell_order is None else permute_cells(mapping.X, cell_order)
+            out = ad.Raw(ad.AnnData(X=X, var=mapping.var, varm=dict(mapping.varm)))
+        else:
+            out = {}
+            for key, value in mapping.items():
+                if cell_order is not None and name in ("obsm", "obsp", "layers"):
+                    value = permute_cells(value, cell_order, both_axes=name == "obsp")
+                out[key] = value
         try:
             ad.io.write_elem(group, name, out)
         except Exception as err:  # anndata's IORegistryError and friends: say what is dropped
@@ -168,7 +175,12 @@ def read_elements(store: Store, names: list[str], lazy: bool = False,
         if name not in group:
             raise FormatError(f"{where}: element {name!r} is missing")
         try:
-            if lazy and name != "uns":
+            if name == "X":
+                out[name] = _read_lazily(group[name]) if lazy else ad.io.read_elem(group[name])
+            elif name == "raw":
+                raw = ad.io.read_elem(group[name])
+                out[name] = {"X": raw.X, "var": raw.var, "varm": dict(raw.varm)}
+            elif lazy and name != "uns":
                 out[name] = {key: _read_lazily(group[name][key]) for key in group[name]}
             else:
                 out[name] = ad.io.read_elem(group[name])

@@ -502,6 +502,7 @@ METADATA_KEYS = {
     "spatial_index": _optional(dict),
     "gene_major": _optional(dict),
     "simulated": _optional(dict),
+    "values_dtype": _optional(str),
 }
 
 
@@ -534,7 +535,7 @@ def _check_keys(obj: dict, where: str) -> None:
 
 #: Where a count layer (``layers/<quoted name>``) or raw (``raw``) may live in a dataset.
 _STORED_MATRIX = re.compile(r"layers/[^/.][^/]*|raw")
-_ELEMENT_NAMES = ("obsm", "varm", "obsp", "varp", "uns", "layers")
+_ELEMENT_NAMES = ("obsm", "varm", "obsp", "varp", "uns", "layers", "X", "raw")
 
 
 @dataclass(frozen=True)

@@ -223,6 +223,11 @@ class _Part:
     open_reader: Callable[[], tuple[_RowReader, list[Callable[[], None]]]]
     read_var: Callable[[], pd.DataFrame] | None = None
     from_file: bool = False
+    #: For counts taken from X: what a bad value's error adds (which layers to try), worked
+    #: out only when there is such an error.
+    count_hint: Callable[[], str] | None = None
+    #: The dtype the input stores its counts in (None: unknown).
+    dtype: np.dtype | None = None
     _reader: _RowReader | None = None
     _closers: list[Callable[[], None]] = field(default_factory=list)
 
@@ -278,8 +283,62 @@ def _part_from_anndata(adata: ad.AnnData, layer: str | None, use_raw: bool) -> _
     if matrix is None:
         raise ValueError("the AnnData has no X")
     reader = _reader_for(matrix)
+    hint = None if use_raw or layer is not None else lambda: _layer_hint(
+        [name for name in layer_names(adata) if _looks_like_counts(adata.layers[name])],
+        adata.raw is not None and _looks_like_counts(adata.raw.X))  # fmt: skip
     return _Part(label, adata.n_obs, lambda: adata.obs, var, lambda: (reader, []),
-                 _reader=reader)
+                 count_hint=hint, dtype=_dtype_of(matrix), _reader=reader)
+
+
+def _dtype_of(matrix: Any) -> np.dtype | None:
+    try:
+        return np.dtype(matrix.dtype)
+    except (AttributeError, TypeError):
+        return None
+
+
+def _looks_like_counts(matrix: Any, sample: int = 100_000) -> bool:
+    """Whether the first stored values of ``matrix`` are non-negative integers (a hint for
+    an error message, not a check)."""
+    try:
+        values = matrix.data[:sample] if sp.issparse(matrix) else np.asarray(
+            matrix[: max(1, sample // max(matrix.shape[1], 1))]).ravel()  # fmt: skip
+        values = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return bool(values.size) and bool(np.all(values >= 0) and np.all(values == np.round(values)))
+
+
+def _layer_hint(count_layers: list[str], raw_counts: bool) -> str:
+    """What to pass when X is not counts: the layers (and raw) that look like counts."""
+    if count_layers:
+        name = count_layers[0]
+        return (f"; X does not hold counts, but layers {count_layers} do: pass "
+                f"layer={name!r} (deltacells convert --layer {name}); X is kept too")
+    if raw_counts:
+        return "; X does not hold counts, raw.X does: pass use_raw=True (deltacells convert --raw)"
+    return "; X does not hold counts (normalised values?), and no layer or raw seems to"
+
+
+def _file_layer_hint(path: Path) -> str:
+    """:func:`_layer_hint` for a file: the first rows of each layer and of raw.X looked at."""
+    from deltacells._extras import has_raw
+
+    group, closers = _open_group(path)
+    try:
+        def first_rows(elem: Any) -> Any:
+            matrix = _matrix_of(elem)
+            return sp.csr_matrix(matrix[: min(64, matrix.shape[0])])
+
+        layers = [name for name in (group["layers"] if "layers" in group else [])
+                  if _looks_like_counts(first_rows(group["layers"][name]))]  # fmt: skip
+        raw = has_raw(group) and _looks_like_counts(first_rows(group["raw"]["X"]))
+        return _layer_hint(layers, raw)
+    except Exception:  # only a hint: never hide the error it adds to
+        return ""
+    finally:
+        for close in closers:
+            close()
 
 
 def _open_group(path: Path) -> tuple[Any, list[Callable[[], None]]]:
@@ -355,7 +414,9 @@ def _part_from_path(path: Path, layer: str | None, use_raw: bool, tables: bool =
                          from_file=True)  # fmt: skip
         names = _var_names_only(var_elem)
         var = ad.io.read_elem(var_elem) if names is None else names
-        return _Part(str(path), n_obs, read_obs, var, open_reader, read_var, from_file=True)
+        hint = None if layer is not None or use_raw else lambda: _file_layer_hint(path)
+        return _Part(str(path), n_obs, read_obs, var, open_reader, read_var, from_file=True,
+                     count_hint=hint, dtype=_dtype_of(_matrix_of(elem)))  # fmt: skip
     finally:
         for close in closers:
             close()
@@ -529,9 +590,11 @@ def _checked_block(block: Any, block_size: int) -> tuple[tuple, np.ndarray, int]
 
 def _count_error(part: _Part, problem: str, cell: int, gene: int) -> CountError:
     """A CountError naming the input, the cell and the gene."""
+    hint = part.count_hint() if part.count_hint is not None and problem in (
+        "non-integral count", "negative count") else ""  # fmt: skip
     return CountError(problem, cell, gene, message=(
         f"{part.label}: {problem} at cell {cell} ({part.read_obs().index[cell]!r}), gene {gene} "
-        f"({part.full_var().index[gene]!r})"))  # fmt: skip
+        f"({part.full_var().index[gene]!r}){hint}"))  # fmt: skip
 
 
 #: Blocks (of the tile size) one pass-1 dask task checks.
@@ -1182,6 +1245,8 @@ def _write_dataset(
         "shuffle": {"seed": s.seed, "cell_order": CELL_ORDER_NAME} if s.shuffle else None,
         "cell_order": CELL_ORDER_NAME if plan.cell_order is not None else None,
         "spatial_index": plan.spatial.index.to_json() if plan.spatial is not None else None,
+        # What readers decode into by default: the counts' dtype as written.
+        "values_dtype": _written_dtype(parts),
     } | dict(s.metadata or {})
     manifest = Manifest(
         version=2,
@@ -1205,6 +1270,15 @@ def _write_dataset(
     )
     store.write_atomic(MANIFEST_NAME, manifest.to_json_text().encode("utf-8"))
     return manifest
+
+
+def _written_dtype(parts: list[_Part]) -> str | None:
+    """The dtype the inputs store their counts in (their common type), if numeric."""
+    dtypes = [p.dtype for p in parts if p.dtype is not None]
+    if not dtypes or len(dtypes) != len(parts):
+        return None
+    dtype = np.result_type(*dtypes)
+    return dtype.name if dtype.kind in "iuf" else None
 
 
 def _check_permutation(order: Any, n: int) -> np.ndarray:
