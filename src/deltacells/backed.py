@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -87,7 +88,7 @@ class DeltacellsCSRDataset(CSRDataset):
         ``"stored"`` (the on-disk order, skipping the column permutation).
     values_dtype
         ``float32``, ``float64`` or ``int32``; ``None`` (default): the counts' dtype as
-        written (:func:`written_values_dtype`).
+        written (:func:`~deltacells.backed.written_values_dtype`).
     n_threads
         Decoding threads; ``None`` resolves like scikit-learn.
     tile_cache_bytes
@@ -675,6 +676,20 @@ def _register_with_fast_array_utils() -> None:
 _register_with_fast_array_utils()
 
 
+def _register_with_scanpy() -> None:
+    """scanpy's ``scale`` dispatches on X's type and, on our X, fails with a TypeError about
+    its own arguments: say what to do instead. Done only once scanpy is imported (importing
+    it for this would cost seconds), from :func:`read_deltacells`."""
+    module = sys.modules.get("scanpy.preprocessing._scale")
+    scale = getattr(module, "scale", None)
+    if scale is None or not hasattr(scale, "register") or DeltacellsCSRDataset in scale.registry:
+        return
+
+    @scale.register(DeltacellsCSRDataset)
+    def _scale_lazy(X: DeltacellsCSRDataset, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(_LAZY_ADVICE.format(what="scanpy's scale"))
+
+
 def read_deltacells(
     url_or_path: str | os.PathLike,
     *,
@@ -708,7 +723,8 @@ def read_deltacells(
     values_dtype
         dtype of decoded values: ``float32``, ``float64`` or ``int32``. Default: the counts'
         dtype as written (int32 counts come back as int32, float32 as float32; see
-        :func:`written_values_dtype`), float32 for datasets that do not record it.
+        :func:`~deltacells.backed.written_values_dtype`), float32 for datasets that do not
+        record it.
     storage_options
         fsspec options for URLs.
     cache_dir
@@ -750,6 +766,7 @@ def read_deltacells(
     anndata.AnnData
         X is a :class:`DeltacellsCSRDataset` (or a dask array); obs and var are in memory.
     """
+    _register_with_scanpy()
     dataset = open_dataset(url_or_path, storage_options=storage_options, timeout=timeout,
                            deadline=deadline)  # fmt: skip
     options = {
