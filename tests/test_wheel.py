@@ -36,8 +36,9 @@ def test_repaired_wheel_works_without_the_system_libraries(tmp_path):
     for old in wheelhouse.glob("deltacells-*.whl"):
         old.unlink()
     # Built by this test's environment, for this Python (each stack tests its own wheel).
+    own = dict(os.environ, DELTACELLS_VENV=sys.prefix)
     subprocess.run(["bash", str(ROOT / "tools" / "dev.sh"), "wheel"], check=True,
-                   capture_output=True, env=dict(os.environ, DELTACELLS_VENV=sys.prefix))  # fmt: skip
+                   capture_output=True, env=own)  # fmt: skip
     wheels = sorted(wheelhouse.glob("deltacells-*manylinux*.whl"))
     assert len(wheels) == 1, wheels
     env_dir = tmp_path / "env"
