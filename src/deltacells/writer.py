@@ -317,7 +317,7 @@ def _layer_hint(count_layers: list[str], raw_counts: bool) -> str:
                 f"layer={name!r} (deltacells convert --layer {name}); X is kept too")
     if raw_counts:
         return "; X does not hold counts, raw.X does: pass use_raw=True (deltacells convert --raw)"
-    return "; X does not hold counts (normalised values?), and no layer or raw seems to"
+    return ""  # nothing to point to: the value and its place say it all
 
 
 def _file_layer_hint(path: Path) -> str:
