@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from conftest import DATA_DIR
 
 import deltacells as dc
@@ -164,3 +165,60 @@ def test_progress_bars_end_complete(tmp_path, capsys):
     for desc in ("checking counts", "encoding tiles"):
         last = [line for line in lines if line.startswith(desc)][-1]
         assert "100%" in last and "3/3" in last, last
+
+
+VISIUM = DATA_DIR / "visium_multisample.h5ad"
+
+#: Bad convert invocations: the flags, what the one-line error must say, and nothing left.
+BAD_CONVERTS = [
+    (["--level", "99"], "--level 99 is outside zstd's"),
+    (["--layer", "counts", "--raw"], "--layer counts and --raw both say where the counts are"),
+    (["--no-obs", "--obs-exclude", "in_tissue"], "--no-obs stores no obs, so --obs-exclude"),
+    (["--grid-tile-size", "5"], "--grid-tile-size and --origin shape the spatial order, which "
+                                "needs --spatial-key or --shapes"),
+    (["--spatial-key", "spatial", "--shapes", "x.parquet"],
+     "--spatial-key and --shapes both give the cells' positions"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("flags", "message"), BAD_CONVERTS)
+def test_bad_flags_are_named_and_leave_nothing(tmp_path, capsys, flags, message):
+    target = tmp_path / "out.dc"
+    assert main(["convert", str(VISIUM), str(target), "--quiet", *flags]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+    assert not target.exists()
+
+
+def test_bad_targets_are_named(tmp_path, capsys):
+    cases = [(tmp_path / "out.h5ad", "a deltacells dataset is a folder, and this name is an "
+              "AnnData file's; pick another (e.g. out.dc)")]  # fmt: skip
+    (tmp_path / "afile").write_text("mine")
+    cases += [(tmp_path / "afile", "a file is there; a dataset is a folder"),
+              (tmp_path / "afile" / "sub", "is a file, not a folder")]  # fmt: skip
+    for target, message in cases:
+        assert main(["convert", str(VISIUM), str(target), "--quiet"]) == 1
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "out.h5ad").exists() and (tmp_path / "afile").read_text() == "mine"
+
+
+def test_a_failed_write_into_an_empty_folder_leaves_it_empty(tmp_path):
+    import anndata as ad
+
+    bad = ad.read_h5ad(VISIUM)
+    bad.X = bad.X.astype(np.float32)
+    bad.X[3, 5] = 0.5  # found while checking counts, after the target was prepared
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(dc.CountError):
+        dc.write_deltacells(bad, tmp_path / "empty", progress=False)
+    assert list((tmp_path / "empty").iterdir()) == []
+
+
+def test_version_and_info_without_the_names_column(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("deltacells ")
+    dc.write_deltacells(VISIUM, tmp_path / "d", progress=False)
+    assert main(["info", "--json", str(tmp_path / "d")]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert "_index" not in info["obs_columns"] and "in_tissue" in info["obs_columns"]

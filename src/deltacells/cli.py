@@ -263,12 +263,22 @@ EXAMPLES = {
 }
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deltacells")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``deltacells`` command."""
     parser = argparse.ArgumentParser(
         prog="deltacells", description=__doc__, formatter_class=_HelpFormatter,
         epilog="Run 'deltacells COMMAND --help' for a command's options.\n\n" + EXIT_CODES,
     )  # fmt: skip
+    parser.add_argument("--version", action="version", version=f"deltacells {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
@@ -376,6 +386,14 @@ _FLAG_LANGUAGE = (
      lambda m: "--obs-exclude " + m.group(1).replace("'", "").replace(",", "")),
     (re.compile(r"use_raw=True"), "--raw"),
     (re.compile(r"\bspatial_key= or shapes="), "--spatial-key or --shapes"),
+    (re.compile(r"\bzstd_level=(\S+) is outside"), r"--level \1 is outside"),
+    (re.compile(r"\blayer='([^']+)' and"), r"--layer \1 and"),
+    (re.compile(r"\bobs=False\b"), "--no-obs"),
+    (re.compile(r"\bobs_exclude="), "--obs-exclude"),
+    (re.compile(r"\bspatial_key="), "--spatial-key"),
+    (re.compile(r"\bshapes="), "--shapes"),
+    (re.compile(r"\bgrid_tile_size="), "--grid-tile-size"),
+    (re.compile(r"\borigin="), "--origin"),
     (re.compile(r"\bpoint_radius\b"), "--point-radius"),
     (re.compile(r"\btile_size\b"), "--tile-size"),
     (re.compile(r"\bn_chunks\b"), "--n-chunks"),

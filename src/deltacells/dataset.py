@@ -692,7 +692,9 @@ class Dataset:
             "n_chunks": m.n_chunks,
             "zstd_level": m.zstd_level,
             "gene_order": m.has_gene_order,
-            "obs_columns": {c.name: c.kind for c in schema.columns} if schema else {},
+            # The obs names column is the index, not a column of obs.
+            "obs_columns": {c.name: c.kind for c in schema.columns
+                            if c.name != self.obs_index_column(schema)} if schema else {},
             "stored_parts": {"layers": parts.layers, "raw": parts.raw,
                              "elements": list(parts.elements)},
             "spatial_index": m.metadata.get("spatial_index"),
@@ -831,7 +833,8 @@ def open_dataset(
         if any(n.startswith("tiles/tile_") for n in names):
             raise FormatError(
                 f"{store.describe()}: incomplete dataset (tiles but no {MANIFEST_NAME}); the "
-                "write that made it did not finish"
+                "write that made it did not finish: write it again with overwrite=True "
+                "(deltacells convert --overwrite), which replaces it"
             )
         if names and any(n in (".zgroup", "zarr.json") for n in names) and any(
             n.startswith("X/") for n in names

@@ -1014,9 +1014,13 @@ def write_deltacells(
     if reserved:
         raise ValueError(f"metadata keys {reserved} are the writer's own; name yours otherwise "
                          "(e.g. metadata={'my_" + reserved[0] + "': ...})")  # fmt: skip
+    _check_options(zstd_level=zstd_level, layer=layer, use_raw=use_raw, spatial_key=spatial_key,
+                   shapes=shapes, grid_tile_size=grid_tile_size, origin=origin, obs=obs,
+                   obs_exclude=obs_exclude)  # fmt: skip
     sources = list(source) if isinstance(source, list | tuple) else [source]
     if not sources:
         raise ValueError("no source given")
+    _check_target_path(path)
     target = open_store(path, storage_options)
     # Before reading any input: refusing a target should not wait for a pass over the counts.
     _check_target(target, overwrite)
@@ -1114,6 +1118,7 @@ def write_deltacells(
             store = target.staging_sibling()
         else:
             store = target
+            existed = not store.is_local or os.path.lexists(store.describe())
             store.make_root()
         try:
             settings = _Settings(
@@ -1140,8 +1145,12 @@ def write_deltacells(
                 _check_target(target, overwrite)  # still only a dataset of ours
                 target.replace_with(store)
         except BaseException:
-            if replacing:
-                store.remove_tree()
+            # Nothing left behind that the user did not ask for: a failed overwrite leaves the
+            # old dataset, a failed new write no folder at all (an empty folder that was
+            # there before stays).
+            store.remove_tree()  # the staging folder, or a target empty (or absent) before
+            if not replacing and existed and store.is_local:
+                store.make_root()
             raise
         return manifest
     finally:
@@ -1279,6 +1288,59 @@ def _written_dtype(parts: list[_Part]) -> str | None:
         return None
     dtype = np.result_type(*dtypes)
     return dtype.name if dtype.kind in "iuf" else None
+
+
+def _check_options(*, zstd_level, layer, use_raw, spatial_key, shapes, grid_tile_size, origin,
+                   obs, obs_exclude) -> None:  # fmt: skip
+    """Options that contradict each other or cannot work, refused before anything is read or
+    written, naming the options (the command line says them as flags)."""
+    lo, hi = _kernels.zstd_level_range()
+    if isinstance(zstd_level, bool) or not isinstance(zstd_level, int | np.integer) \
+            or not lo <= int(zstd_level) <= hi:  # fmt: skip
+        raise ValueError(f"zstd_level={zstd_level!r} is outside zstd's {lo}..{hi} (the default "
+                         f"is {DEFAULT_LEVEL})")  # fmt: skip
+    if layer is not None and use_raw:
+        raise ValueError(f"layer={layer!r} and use_raw=True both say where the counts are; "
+                         "pass one of them")  # fmt: skip
+    if spatial_key is not None and shapes is not None:
+        raise ValueError("spatial_key= and shapes= both give the cells' positions; pass one "
+                         "(shapes= when the cells have polygons or circles)")  # fmt: skip
+    if spatial_key is None and shapes is None and (grid_tile_size is not None
+                                                   or origin is not None):  # fmt: skip
+        raise ValueError("grid_tile_size= and origin= shape the spatial order, which needs "
+                         "spatial_key= or shapes=")  # fmt: skip
+    if not obs and len(obs_exclude):
+        raise ValueError("obs=False stores no obs, so obs_exclude= has nothing to leave out; "
+                         "pass one of them")  # fmt: skip
+
+
+#: File names that say "AnnData file", not "dataset folder".
+_ANNDATA_SUFFIXES = (".h5ad", ".h5", ".loom", ".zarr")
+
+
+def _check_target_path(path: Any) -> None:
+    """A target that cannot be a dataset folder, refused before anything is read."""
+    text = os.fspath(path) if not isinstance(path, Store) else path.describe()
+    name = text.rstrip("/").rsplit("/", 1)[-1]
+    if name.lower().endswith(_ANNDATA_SUFFIXES):
+        raise ValueError(f"{text}: a deltacells dataset is a folder, and this name is an "
+                         "AnnData file's; pick another (e.g. "
+                         f"{name.rsplit('.', 1)[0]}.dc) or check the order of source and "
+                         "target")  # fmt: skip
+    if isinstance(path, Store) or _is_url_path(text):
+        return
+    if os.path.isfile(text):
+        raise FileExistsError(f"{text}: a file is there; a dataset is a folder: pick another "
+                              "path")  # fmt: skip
+    parent = os.path.dirname(os.path.abspath(text))
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        raise FileExistsError(f"{text}: {parent} is a file, not a folder: pick another path")
+
+
+def _is_url_path(text: str) -> bool:
+    return "://" in text and not text.startswith("file://")
 
 
 def _check_permutation(order: Any, n: int) -> np.ndarray:
