@@ -249,3 +249,12 @@ def test_default_block_size_follows_the_nonzeros_per_cell(tmp_path, monkeypatch)
     record = add_gene_major(dc.open_dataset(root))
     assert record["block_cells"] == 1024 and record["n_blocks"] == 3
     assert (dc.open_dataset(root).genes(list(range(100))) != adata.X).nnz == 0
+
+
+def test_a_gene_position_must_be_an_integer(small):
+    root, _ = small
+    dataset = dc.open_dataset(root)
+    for bad in (3.7, True, [1.0]):
+        with pytest.raises(TypeError, match="names or integer positions"):
+            dataset.genes(bad)
+    assert dataset.gene(np.int64(3)).shape == (500, 1)

@@ -60,11 +60,17 @@ def _stack() -> str:
     return f"py{sys.version_info.major}{sys.version_info.minor}"
 
 
-def test_the_docs_table_is_what_scanpy_does_on_each_stack(tmp_path):
-    root = tmp_path / "d"
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """A small count matrix as a dataset of several tiles."""
+    path = tmp_path_factory.mktemp("scanpy-chain") / "d"
     source = small_adata(n_cells=300, n_genes=120)
     source.var = source.var[[]]
-    dc.write_deltacells(source, root, tile_size=64, progress=False)
+    dc.write_deltacells(source, path, tile_size=64, progress=False)
+    return path
+
+
+def test_the_docs_table_is_what_scanpy_does_on_each_stack(root):
     rows = []
     for name, step in STEPS.items():
         lazy = dc.read_deltacells(root, elements=False)
@@ -86,12 +92,8 @@ def test_the_docs_table_is_what_scanpy_does_on_each_stack(tmp_path):
     assert all(outcome for _, outcome in rows)
 
 
-def test_dask_and_memory_agree_on_the_chain(tmp_path):
+def test_dask_and_memory_agree_on_the_chain(root):
     """The way the advice points to: the same chain on ``dask=True`` equals the in-memory one."""
-    root = tmp_path / "d"
-    source = small_adata(n_cells=300, n_genes=120)
-    source.var = source.var[[]]
-    dc.write_deltacells(source, root, tile_size=64, progress=False)
     results = []
     for adata in (dc.read_deltacells(root, elements=False, dask=True),
                   dc.read_deltacells(root, elements=False).to_memory()):  # fmt: skip

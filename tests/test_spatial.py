@@ -439,3 +439,10 @@ def test_damaged_cell_order_is_refused(small_spatial):
     reseal(small_spatial)
     with pytest.raises(dc.FormatError, match="not a permutation"):
         dc.read_deltacells(small_spatial, row_order="source")
+
+
+def test_a_box_given_as_text_is_refused(small_spatial):
+    dataset = dc.open_dataset(small_spatial)
+    for bad in ("1234", b"1234"):
+        with pytest.raises(ValueError, match="bbox must be four numbers"):
+            dataset.query_bbox(bad)

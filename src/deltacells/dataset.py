@@ -253,7 +253,7 @@ class Dataset:
                              "deltacells add-gene-major)")  # fmt: skip
         if column_order not in ("source", "stored"):
             raise ValueError(f"column_order must be 'source' or 'stored', not {column_order!r}")
-        asked = [genes] if isinstance(genes, str | int | np.integer) else list(genes)
+        asked = [genes] if isinstance(genes, str | int | float | np.number) else list(genes)
         order = self.gene_order()
         source_to_stored = np.argsort(order) if order is not None else None
         names: np.ndarray | None = None
@@ -267,6 +267,8 @@ class Dataset:
                     raise KeyError(f"{self.store.describe()}: no gene named {g!r}")
                 stored.append(int(hits[0]))
                 continue
+            if isinstance(g, bool) or not isinstance(g, int | np.integer):
+                raise TypeError(f"genes are names or integer positions, not {g!r}")
             p = int(g)
             if not 0 <= p < self.manifest.n_genes:
                 raise IndexError(f"gene position {p} outside 0..{self.manifest.n_genes - 1}")

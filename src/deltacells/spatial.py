@@ -278,6 +278,8 @@ def _axis_range(lo: float, hi: float, origin: float, size: float, n: int) -> tup
 
 
 def _check_box(box) -> tuple[float, float, float, float]:
+    if isinstance(box, str | bytes):  # "1234" would read as (1, 2, 3, 4)
+        raise ValueError(f"bbox must be four numbers (xmin, ymin, xmax, ymax), not {box!r}")
     try:
         xmin, ymin, xmax, ymax = (float(v) for v in box)
     except (TypeError, ValueError):
