@@ -86,12 +86,7 @@ class Dataset:
         FormatError
             Naming the file, when it is not what the manifest records.
         """
-        if not self.files.present:
-            return self.store.read_bytes(name, max_size=max_size)
-        size = self.files.require(name, self.store.describe)
-        data = self.store.read_buffer(name, size)
-        self.files.check(name, data, self.store.describe)
-        return data.tobytes()
+        return self.files.read(self.store, name, max_size)
 
     def open_nested(self, location: str) -> Dataset:
         """The count layer or raw stored at ``location`` (a dataset of its own), its manifest
@@ -99,9 +94,8 @@ class Dataset:
         store = self.store.child(location)
         if not self.files.present:
             return open_dataset(store)
-        text = self.read_file(f"{location}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
-        manifest = Manifest.from_json_text(text, store.describe(MANIFEST_NAME))
-        return Dataset(store, manifest, hashlib.sha256(text).hexdigest())
+        return _from_manifest_text(
+            store, self.read_file(f"{location}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES))
 
     @property
     def tile_sums(self):
@@ -848,7 +842,11 @@ def open_dataset(
             raise FormatError(f"{store.describe()}: not a deltacells dataset (no "
                               f"{MANIFEST_NAME}, no tiles/)")  # fmt: skip
         raise FileNotFoundError(f"{store.describe()}: no deltacells dataset there")
-    text = store.read_bytes(MANIFEST_NAME, max_size=MAX_MANIFEST_BYTES)
+    return _from_manifest_text(store, store.read_bytes(MANIFEST_NAME, max_size=MAX_MANIFEST_BYTES))
+
+
+def _from_manifest_text(store: Store, text: bytes) -> Dataset:
+    """The dataset at ``store`` whose ``manifest.json`` holds ``text``."""
     manifest = Manifest.from_json_text(text, store.describe(MANIFEST_NAME))
     return Dataset(store, manifest, hashlib.sha256(text).hexdigest())
 

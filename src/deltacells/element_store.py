@@ -89,13 +89,7 @@ class CheckedZarrStore(ZarrStore):
 
     def read(self, key: str) -> bytes:
         """The whole file of ``key``, checked (size first, then SHA-256)."""
-        name = self.name_of(key)
-        if not self.files.present:
-            return self.store.read_bytes(name)
-        size = self.files.require(name, self.store.describe)
-        data = self.store.read_buffer(name, size)
-        self.files.check(name, data, self.store.describe)
-        return data.tobytes()
+        return self.files.read(self.store, self.name_of(key))
 
     async def get(self, key: str, prototype: BufferPrototype,
                   byte_range: ByteRequest | None = None) -> Buffer | None:  # fmt: skip

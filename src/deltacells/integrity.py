@@ -172,6 +172,16 @@ class FileTable:
                               "manifest's file table records (the file is damaged or was "
                               "changed after writing)")  # fmt: skip
 
+    def read(self, store: Any, name: str, max_size: int | None = None) -> bytes:
+        """The whole file ``name`` from ``store`` (a :class:`~deltacells.storage.Store`),
+        checked: its size before it is read, its SHA-256 after. Without a file table (older
+        datasets) it is read unchecked, refused above ``max_size`` bytes if given."""
+        if not self.present:
+            return store.read_bytes(name, max_size=max_size)
+        data = store.read_buffer(name, self.require(name, store.describe))
+        self.check(name, data, store.describe)
+        return data.tobytes()
+
     def to_json(self) -> dict:
         """The table as stored."""
         return {n: {"bytes": s, "sha256": h} for n, (s, h) in sorted(self._records.items())}
