@@ -101,7 +101,7 @@ ensure_new_stack() {
     "$NEW_VENV/bin/python" -m pip install -q --upgrade pip
     "$NEW_VENV/bin/python" -m pip install -q "meson-python>=0.15" "meson>=1.1" ninja "cython>=3.0.8" numpy
     "$NEW_VENV/bin/python" -m pip install -q --upgrade --no-build-isolation \
-      -e ".[test,bench,docs,dask,spatial,obstore,wheel]" scanpy anndata pandas zarr
+      -e ".[test,bench,docs,dask,scanpy,spatial,obstore,wheel]" scanpy anndata pandas zarr
     echo "$wanted" > "$stamp"
   fi
 }

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -30,6 +29,12 @@ from deltacells.format import FormatError, LimitError, get_limits
 from deltacells.manifest import MANIFEST_NAME, StoredParts, tile_name
 from deltacells.obs_dtypes import restore_dtypes
 from deltacells.obscache import ObsCache
+from deltacells.outofcore import (
+    OutOfCoreAnnData,
+    dask_array_type,
+    join_dispatchers,
+    swap_lazy,
+)
 
 __all__ = ["DeltacellsCSRDataset", "read_deltacells", "written_values_dtype"]
 
@@ -446,6 +451,12 @@ class DeltacellsCSRDataset(CSRDataset):
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         raise TypeError(_LAZY_ADVICE.format(what="converting X to a numpy array"))
 
+    def _as_dask_for(self, what: str) -> Any:
+        """The dask array over tiles that answers ``what``, or the advice without dask."""
+        if dask_array_type() is None:
+            raise TypeError(_LAZY_ADVICE.format(what=what) + _NO_DASK)
+        return self.to_dask()
+
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         # numpy hands its functions to this method when an argument is a lazy X.
         # ``anndata.concat`` joins matrices it does not know with ``np.concatenate``.
@@ -455,7 +466,17 @@ class DeltacellsCSRDataset(CSRDataset):
             return _reduce_with(DeltacellsCSRDataset.sum, *args, **kwargs)
         if func is np.mean:
             return _reduce_with(DeltacellsCSRDataset.mean, *args, **kwargs)
-        raise TypeError(_LAZY_ADVICE.format(what=f"numpy.{func.__name__} on X"))
+        # Anything else (np.count_nonzero, ...) runs on the dask array over tiles.
+        self._as_dask_for(f"numpy.{func.__name__} on X")
+        return func(*_swap_lazy(args), **_swap_lazy(kwargs))
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        # np.log1p(X), X > 0 written as np.greater(...): lazily, on the dask array. The
+        # stored matrix cannot be written to: refuse instead of leaving X unchanged.
+        if any(isinstance(o, DeltacellsCSRDataset) for o in kwargs.get("out", ()) or ()):
+            raise TypeError(_LAZY_ADVICE.format(what=f"numpy.{ufunc.__name__} into X (out=X)"))
+        self._as_dask_for(f"numpy.{ufunc.__name__} on X")
+        return getattr(ufunc, method)(*_swap_lazy(inputs), **_swap_lazy(kwargs))
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes this class lacks: numpy and scipy methods scanpy and
@@ -464,12 +485,6 @@ class DeltacellsCSRDataset(CSRDataset):
             raise AttributeError(name)
         raise AttributeError(_LAZY_ADVICE.format(what=f"X.{name}"))
 
-    def _no_arithmetic(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(_LAZY_ADVICE.format(what="arithmetic or comparisons on X"))
-
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _no_arithmetic
-    __truediv__ = __rtruediv__ = __pow__ = __matmul__ = __rmatmul__ = _no_arithmetic
-    __gt__ = __ge__ = __lt__ = __le__ = _no_arithmetic
 
     def to_memory(self) -> sp.csr_matrix:
         """The whole matrix as one CSR, every tile decoded into one set of buffers."""
@@ -510,6 +525,23 @@ class DeltacellsCSRDataset(CSRDataset):
         matrix.has_canonical_format = True
         return matrix
 
+
+def _operator_through_dask(name: str) -> Callable:
+    def operator(self: DeltacellsCSRDataset, *args: Any) -> Any:
+        dask_x = self._as_dask_for("arithmetic or comparisons on X")
+        return getattr(dask_x, name)(*_swap_lazy(args))
+
+    operator.__name__ = name
+    operator.__doc__ = f"``{name}`` on the dask array over tiles (lazy, as dask is)."
+    return operator
+
+
+# Arithmetic and comparisons (``X > 0`` in scanpy's filters) are lazy dask arrays.
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+              "__truediv__", "__rtruediv__", "__pow__", "__matmul__", "__rmatmul__",
+              "__gt__", "__ge__", "__lt__", "__le__", "__neg__", "__abs__"):  # fmt: skip
+    setattr(DeltacellsCSRDataset, _name, _operator_through_dask(_name))
+del _name
 
 #: Small ranged requests in flight at once on remote stores: each is mostly latency, so many
 #: overlap (whole-tile reads use the store's own, smaller pool).
@@ -592,6 +624,7 @@ _LAZY_ADVICE = (
     "adata.to_memory() (or adata.X.to_memory()) first, or read_deltacells(..., dask=True) "
     "for scanpy's out-of-core (dask) functions."
 )
+_NO_DASK = " (scanpy runs this out of core on dask: pip install 'deltacells[dask]')"
 
 
 def write_lazy_csr(f: Any, key: str, elem: DeltacellsCSRDataset, *, _writer: Any = None,
@@ -649,9 +682,16 @@ def _register_with_anndata() -> None:
     for group_type in (h5py.Group, zarr.Group):
         _REGISTRY.register_write(group_type, DeltacellsCSRDataset,
                                  IOSpec("csr_matrix", "0.1.0"))(write_lazy_csr)  # fmt: skip
+    # The registry looks writers up by exact type: the AnnData we return writes as AnnData.
+    for (dest, source, modifiers), writer in list(_REGISTRY.write.items()):
+        if source is ad.AnnData:
+            _REGISTRY.write[(dest, OutOfCoreAnnData, modifiers)] = writer
+    if ad.AnnData in _REGISTRY.write_specs:
+        _REGISTRY.write_specs[OutOfCoreAnnData] = _REGISTRY.write_specs[ad.AnnData]
 
 
 _register_with_anndata()
+OutOfCoreAnnData.lazy_matrix_type = DeltacellsCSRDataset
 
 
 def _register_with_fast_array_utils() -> None:
@@ -676,18 +716,15 @@ def _register_with_fast_array_utils() -> None:
 _register_with_fast_array_utils()
 
 
-def _register_with_scanpy() -> None:
-    """scanpy's ``scale`` dispatches on X's type and, on our X, fails with a TypeError about
-    its own arguments: say what to do instead. Done only once scanpy is imported (importing
-    it for this would cost seconds), from :func:`read_deltacells`."""
-    module = sys.modules.get("scanpy.preprocessing._scale")
-    scale = getattr(module, "scale", None)
-    if scale is None or not hasattr(scale, "register") or DeltacellsCSRDataset in scale.registry:
-        return
+def _swap_lazy(value: Any) -> Any:
+    return swap_lazy(value, DeltacellsCSRDataset, DeltacellsCSRDataset.to_dask)
 
-    @scale.register(DeltacellsCSRDataset)
-    def _scale_lazy(X: DeltacellsCSRDataset, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(_LAZY_ADVICE.format(what="scanpy's scale"))
+
+def _register_with_scanpy() -> None:
+    """Where scanpy has a dask implementation of a dispatched function, our X uses it on
+    its dask array over tiles (see :mod:`deltacells.outofcore`). Done once scanpy is
+    imported (importing it for this would cost seconds), from :func:`read_deltacells`."""
+    join_dispatchers(DeltacellsCSRDataset, DeltacellsCSRDataset.to_dask)
 
 
 def read_deltacells(
@@ -791,7 +828,7 @@ def read_deltacells(
     parts = _stored_parts(dataset, X, elements, options)
     # Written with layer=: the tiles hold that layer, and the AnnData's own X is an element.
     X = parts.pop("X", X)
-    adata = ad.AnnData(X=X, obs=obs_frame, var=var, **parts)
+    adata = OutOfCoreAnnData(X=X, obs=obs_frame, var=var, **parts)
     return adata if rows is None else adata[rows]
 
 

@@ -1,0 +1,139 @@
+"""How a lazy X answers numpy and scanpy: through its dask array over tiles.
+
+scanpy runs most of its preprocessing out of core on dask arrays. A lazy X does not
+reimplement those functions: where scanpy (or fast_array_utils, which scanpy computes its
+statistics with) has a dask implementation, the lazy X hands it its dask view, one scipy-CSR
+chunk per tile, so that statistics are reduced tile by tile and transformed matrices
+(``normalize_total``, ``log1p``, ``scale``) come back as lazy dask arrays. Nothing here
+imports scanpy: its dispatchers are found among the modules already imported.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import anndata as ad
+
+#: Module prefixes whose single-dispatch functions a lazy X joins when they know dask.
+DISPATCHING_PACKAGES = ("scanpy", "fast_array_utils")
+
+#: Dispatchers whose default implementation is the one that handles dask arrays (so their
+#: registry does not name dask): (module, function).
+DASK_THROUGH_DEFAULT = (("scanpy.preprocessing._simple", "log1p"),)
+
+_registered: set[tuple[int, type]] = set()
+_scanned_modules: dict[str, int] = {}
+
+
+def dask_array_type() -> type | None:
+    """``dask.array.Array``, or None without dask (an optional extra)."""
+    try:
+        import dask.array as da
+    except ImportError:
+        return None
+    return da.Array
+
+
+def _single_dispatch_functions(module: Any) -> list[Callable]:
+    found = []
+    for value in list(vars(module).values()):
+        registry = getattr(value, "registry", None)
+        if callable(value) and hasattr(value, "register") and hasattr(registry, "keys"):
+            found.append(value)
+    return found
+
+
+def join_dispatchers(lazy_type: type, to_dask: Callable[[Any], Any]) -> int:
+    """Register ``lazy_type`` with every single-dispatch function of scanpy and
+    fast_array_utils (among the modules imported so far) that has a dask implementation and
+    none for ``lazy_type``: the lazy matrix is handed over as ``to_dask(matrix)``.
+
+    Returns how many functions were joined (0 without dask or scanpy). Cheap to call again:
+    only modules imported since the last call are looked at.
+    """
+    dask_type = dask_array_type()
+    if dask_type is None:
+        return 0
+    joined = 0
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(DISPATCHING_PACKAGES):
+            continue
+        if _scanned_modules.get(name) == id(module):
+            continue
+        _scanned_modules[name] = id(module)
+        through_default = {f for m, f in DASK_THROUGH_DEFAULT if m == name}
+        for function in _single_dispatch_functions(module):
+            key = (id(function), lazy_type)
+            if key in _registered or lazy_type in function.registry:
+                continue
+            knows_dask = any(_is_base_of(t, dask_type) for t in function.registry)
+            if not knows_dask and getattr(function, "__name__", None) not in through_default:
+                continue
+            function.register(lazy_type)(_through_dask(function, to_dask))
+            _registered.add(key)
+            joined += 1
+    return joined
+
+
+def _is_base_of(registered: Any, dask_type: type) -> bool:
+    if registered is object or not isinstance(registered, type):
+        return False
+    try:
+        return issubclass(dask_type, registered)
+    except TypeError:  # protocols with data members refuse issubclass
+        return False
+
+
+def _through_dask(function: Callable, to_dask: Callable[[Any], Any]) -> Callable:
+    def on_lazy_matrix(x: Any, *args: Any, **kwargs: Any) -> Any:
+        return function(to_dask(x), *args, **kwargs)
+
+    on_lazy_matrix.__name__ = f"{getattr(function, '__name__', 'function')}_on_lazy_x"
+    on_lazy_matrix.__doc__ = "The dask implementation, on the lazy X's dask array over tiles."
+    return on_lazy_matrix
+
+
+def swap_lazy(value: Any, lazy_type: type, to_dask: Callable[[Any], Any]) -> Any:
+    """``value`` with lazy matrices (also inside tuples, lists and dicts) as dask arrays."""
+    if isinstance(value, lazy_type):
+        return to_dask(value)
+    if isinstance(value, tuple | list):
+        return type(value)(swap_lazy(v, lazy_type, to_dask) for v in value)
+    if isinstance(value, dict):
+        return {k: swap_lazy(v, lazy_type, to_dask) for k, v in value.items()}
+    return value
+
+
+class OutOfCoreAnnData(ad.AnnData):
+    """The AnnData :func:`~deltacells.read_deltacells` returns: an :class:`anndata.AnnData`
+    whose in-place subsets stay out of core.
+
+    scanpy's ``filter_cells`` and ``filter_genes`` subset an AnnData in place, which anndata
+    does by copying a view, and a copied view of a lazy X holds the kept cells in memory.
+    Here the lazy matrices (X and count layers) become their dask arrays over tiles first, so
+    the subset is a lazy dask array too (without dask: as anndata does). Everything else is
+    :class:`anndata.AnnData` unchanged; views and copies are plain AnnData objects.
+    """
+
+    #: The lazy matrix type whose instances become dask arrays (set by the reader).
+    lazy_matrix_type: ClassVar[type | None] = None
+
+    def _inplace_subset_obs(self, index: Any) -> None:
+        self._lazy_matrices_to_dask()
+        super()._inplace_subset_obs(index)
+
+    def _inplace_subset_var(self, index: Any) -> None:
+        self._lazy_matrices_to_dask()
+        super()._inplace_subset_var(index)
+
+    def _lazy_matrices_to_dask(self) -> None:
+        lazy = self.lazy_matrix_type
+        if lazy is None or dask_array_type() is None:
+            return
+        if isinstance(self.X, lazy):
+            self.X = self.X.to_dask()
+        for key in [k for k in self.layers.keys() if k is not None]:
+            if isinstance(self.layers[key], lazy):
+                self.layers[key] = self.layers[key].to_dask()
