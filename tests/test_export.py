@@ -18,7 +18,7 @@ from conftest import DATA_DIR
 
 import deltacells as dc
 from deltacells.cli import main
-from deltacells.export import to_spatialdata
+from deltacells.export import ROW_GROUP_MIN_ROWS, row_group_tiles, to_spatialdata
 from deltacells.testing import side_python
 
 gpd = pytest.importorskip("geopandas", reason="the spatial extra")
@@ -38,12 +38,14 @@ shapes, table = s.shapes[sys.argv[2]], s.tables[sys.argv[3]]
 X, csc = table.X, table.layers["X_csc"]
 attrs = table.uns["spatialdata_attrs"]
 print(json.dumps({
-    "n_shapes": len(shapes), "index": [str(i) for i in shapes.index],
+    "n_shapes": len(shapes), "index": [int(i) for i in shapes.index],
+    "names": [str(v) for v in shapes["cell_id"]], "table_names": [str(v) for v in table.obs_names],
     "geom_types": sorted(set(shapes.geometry.geom_type)),
     "radius": shapes["radius"].tolist() if "radius" in shapes else None,
     "table_shape": list(table.shape), "csr": X.format, "csc": csc.format,
     "same_values": bool((X != csc.tocsr()).nnz == 0), "X_sum": float(X.sum()),
-    "instance": [str(v) for v in table.obs[attrs["instance_key"]]],
+    "instance": [int(v) for v in table.obs[attrs["instance_key"]]],
+    "instance_dtype": str(table.obs[attrs["instance_key"]].dtype), "X_dtype": str(X.dtype),
     "region": attrs["region"], "annotates": sorted(set(table.obs[attrs["region_key"]])),
 }))
 """
@@ -78,12 +80,16 @@ def test_visium_spots_export_and_spatialdata_reads_them(tmp_path, spatialdata_py
     stored_names = list(source.obs_names[order])
 
     got = read_back(spatialdata_python, out)
-    assert got["n_shapes"] == source.n_obs and got["index"] == stored_names
+    assert got["n_shapes"] == source.n_obs and got["names"] == stored_names
+    assert got["index"] == list(range(source.n_obs))  # integer instance ids
     assert got["geom_types"] == ["Point"] and set(got["radius"]) == {27.5}
     assert got["table_shape"] == list(source.shape)
     assert got["csr"] == "csr" and got["csc"] == "csc" and got["same_values"]
     assert got["X_sum"] == pytest.approx(float(source.X.sum()))
-    assert got["instance"] == stored_names  # table rows in the shapes' order
+    assert got["X_dtype"] == str(source.X.dtype)  # the counts' dtype as written
+    # table rows in the shapes' order, joined on integer ids, names kept
+    assert got["instance"] == got["index"] and got["instance_dtype"] == "int64"
+    assert got["table_names"] == stored_names
     assert got["region"] == "cells" and got["annotates"] == ["cells"]
 
     # RFC 4's additions, read directly
@@ -94,9 +100,11 @@ def test_visium_spots_export_and_spatialdata_reads_them(tmp_path, spatialdata_py
     offsets = element["index/0/tile_offsets"][:]
     np.testing.assert_array_equal(offsets, dataset.spatial().tile_offsets)
     parquet = pq.ParquetFile(out / "shapes" / "cells" / "shapes.parquet")
-    assert parquet.metadata.num_row_groups == index.n_grid_tiles  # empty tiles included
-    sizes = [parquet.metadata.row_group(i).num_rows for i in range(index.n_grid_tiles)]
-    assert sizes == np.diff(offsets).tolist()
+    groups = element.attrs["spatial_index"]["row_group_tiles"]
+    assert groups == row_group_tiles(offsets).tolist() and groups[-1] == index.n_grid_tiles
+    assert parquet.metadata.num_row_groups == len(groups) - 1
+    sizes = [parquet.metadata.row_group(i).num_rows for i in range(len(groups) - 1)]
+    assert sizes == np.diff(offsets[groups]).tolist()  # whole grid tiles per group
     geo = json.loads(parquet.metadata.metadata[b"geo"])
     assert geo["columns"]["geometry"]["encoding"] == "point"  # GeoArrow, not WKB
 
@@ -117,10 +125,10 @@ def test_polygons_export_as_multipolygons(tmp_path, spatialdata_python):
     assert got["geom_types"] == ["MultiPolygon"] and got["radius"] is None
     assert got["n_shapes"] == 200 and got["same_values"]
     order = dc.open_dataset(root).cell_order()
-    assert got["index"] == list(adata.obs_names[order])
+    assert got["names"] == list(adata.obs_names[order])
     # geopandas reads the GeoArrow parquet too, geometries exact
     frame = gpd.read_parquet(tmp_path / "poly.zarr" / "shapes" / "cells" / "shapes.parquet")
-    assert list(frame.index) == list(adata.obs_names[order])
+    assert list(frame["cell_id"]) == list(adata.obs_names[order])
     expected = [polys[i] for i in order]
     assert all(shapely.equals(a, b) for a, b in zip(frame.geometry, expected, strict=True))
 
@@ -147,7 +155,7 @@ out = []
 for box in json.loads(sys.argv[3]):
     hit = bounding_box_query(shapes, axes=("x", "y"), min_coordinate=box[:2],
                              max_coordinate=box[2:], target_coordinate_system="global")
-    out.append([] if hit is None else [str(i) for i in hit.index])
+    out.append([] if hit is None else [str(i) for i in hit["cell_id"]])
 print(json.dumps(out))
 """
 
@@ -214,3 +222,49 @@ def test_polygon_box_queries_against_spatialdata(tmp_path, spatialdata_python):
         assert ours == truth, box
         differ += ours != expected
     assert differ == 0
+
+
+#: spatialdata's join of the table with the shapes; prints rows, whether the table rows
+#: follow the shapes and the seconds the join took.
+JOIN = r"""
+import json, sys, time
+import numpy as np
+import spatialdata as sd
+s = sd.read_zarr(sys.argv[1])
+t = time.perf_counter()
+element, table = sd.join_spatialelement_table(sdata=s, spatial_element_names="cells",
+                                              table_name="table", how="left")
+seconds = time.perf_counter() - t
+shapes = element["cells"]
+print(json.dumps({"rows": int(table.n_obs), "seconds": seconds,
+                  "aligned": bool(np.array_equal(np.asarray(table.obs["instance_id"]),
+                                                 np.asarray(shapes.index))),
+                  "names": bool(np.array_equal(np.asarray(shapes["cell_id"]),
+                                               np.asarray(table.obs_names)))}))
+"""
+
+
+def test_export_of_200000_cells_joins_in_spatialdata_and_bounds_row_groups(
+    tmp_path, spatialdata_python
+):
+    """Integer instance ids: spatialdata joins its table with the shapes on them (string ids
+    made that join take minutes at this size). A fine grid shares row groups between tiles."""
+    n = 200_000
+    rng = np.random.default_rng(11)
+    X = sp.random(n, 12, density=0.3, format="csr", random_state=11,
+                  data_rvs=lambda k: rng.integers(1, 50, k)).astype(np.int32)  # fmt: skip
+    adata = ad.AnnData(X=X)
+    adata.obs_names = [f"cell-{i}" for i in range(n)]
+    adata.obsm["spatial"] = rng.uniform(0, 5000, (n, 2))
+    root = tmp_path / "many.dc"
+    dc.write_deltacells(adata, root, spatial_key="spatial", grid_tile_size=10, progress=False)
+    index = dc.open_dataset(root).spatial_index()
+    assert index.n_grid_tiles == 250_000  # more grid tiles than cells
+    out = to_spatialdata(root, tmp_path / "many.zarr", point_radius=1.0)
+    parquet = pq.ParquetFile(out / "shapes" / "cells" / "shapes.parquet")
+    assert parquet.metadata.num_row_groups <= n // ROW_GROUP_MIN_ROWS + 1
+    done = subprocess.run([spatialdata_python, "-c", JOIN, str(out)], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["rows"] == n and got["aligned"] and got["names"], got

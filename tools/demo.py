@@ -65,7 +65,7 @@ def counts_of(source: ad.AnnData) -> tuple[sp.csr_matrix, dict]:
     raise SystemExit("demo: this file has no integer counts in X, layers['counts'] or raw")
 
 
-def run(h5ad: Path, out: Path, tile_size: int, level: int) -> None:
+def run(h5ad: Path, out: Path, tile_size: int | None, level: int) -> None:
     source = ad.read_h5ad(h5ad)
     X, how = counts_of(source)
     if how:
@@ -82,9 +82,17 @@ def run(h5ad: Path, out: Path, tile_size: int, level: int) -> None:
                                    overwrite=True, progress=False, **how)  # fmt: skip
     convert_s = time.perf_counter() - t0
     size = sum(manifest.tile_bytes)
-    print(f"converted in {convert_s:.2f} s: {manifest.n_tiles} tiles, {size / 1e6:.1f} MB of "
-          f"tiles = {size / manifest.nnz:.3f} bytes/nonzero ({size / h5ad.stat().st_size:.2f} x "
-          f"the .h5ad file)")  # fmt: skip
+    per_nonzero = f" = {size / manifest.nnz:.3f} bytes/nonzero" if manifest.nnz else ""
+    print(f"converted in {convert_s:.2f} s: {manifest.n_tiles} tiles of up to "
+          f"{manifest.tile_size:,} cells, {size / 1e6:.1f} MB of tiles{per_nonzero} "
+          f"({size / h5ad.stat().st_size:.2f} x the .h5ad file)")  # fmt: skip
+    if X.shape[0] == 0 or manifest.nnz == 0:
+        adata = dc.read_deltacells(out)
+        assert adata.shape == X.shape
+        dc.open_dataset(out).verify()
+        print(f"read back: {adata.n_obs:,} x {adata.n_vars:,}, no nonzeros to decode, slice or "
+              f"load; deltacells verify {out}: OK")  # fmt: skip
+        return
 
     t0 = time.perf_counter()
     adata = dc.read_deltacells(out)
@@ -138,7 +146,9 @@ def main() -> None:
     parser.add_argument("h5ad", nargs="?", type=Path, default=None,
                         help=f"an AnnData .h5ad file (default: {DEFAULT_DATA}, or generated data "
                         "when it is missing)")  # fmt: skip
-    parser.add_argument("--tile-size", type=int, default=4096)
+    parser.add_argument("--tile-size", type=int, default=None,
+                        help="cells per tile (default: the writer's choice, as deltacells "
+                        "convert makes it)")  # fmt: skip
     parser.add_argument("--level", type=int, default=dc.DEFAULT_LEVEL)
     parser.add_argument("--keep", type=Path, help="write the dataset here and keep it")
     args = parser.parse_args()
@@ -153,7 +163,10 @@ def main() -> None:
                 h5ad = generated(Path(tmp))
         elif not h5ad.exists():
             raise SystemExit(f"demo: {h5ad}: no such file")
-        run(h5ad, args.keep or Path(tmp) / "dataset", args.tile_size, args.level)
+        try:
+            run(h5ad, args.keep or Path(tmp) / "dataset", args.tile_size, args.level)
+        except (dc.FormatError, ValueError, OSError) as err:  # the library's own message
+            raise SystemExit(f"demo: {err}") from None
 
 
 if __name__ == "__main__":

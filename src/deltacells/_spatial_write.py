@@ -4,12 +4,14 @@ the cell order and the files that hold them (see :mod:`deltacells.spatial`)."""
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from deltacells.format import FormatError
 from deltacells.spatial import (
     BOX_ONLY,
     CENTROIDS_NAME,
@@ -114,6 +116,36 @@ def _obsm_coordinates(source: Any, key: str | None) -> np.ndarray:
     return value
 
 
+def _check_geometries(geoms: np.ndarray, is_point: np.ndarray, obs_names: pd.Index,
+                      shapely: Any) -> None:  # fmt: skip
+    """Shapes a box query could not answer right (empty, 3-D, non-finite ones), refused
+    naming the first cell and the fix; invalid (self-intersecting) ones kept with a warning."""
+
+    def refuse(mask: np.ndarray, problem: str, fix: str) -> None:
+        if mask.any():
+            first = int(np.flatnonzero(mask)[0])
+            count = int(mask.sum())
+            raise ValueError(f"shapes: cell {obs_names[first]!r} {problem} ({count} "
+                             f"{'cell' if count == 1 else 'cells'} in all); {fix}")  # fmt: skip
+
+    refuse(shapely.is_empty(geoms), "has an empty shape", "give every cell a shape")
+    refuse(shapely.has_z(geoms), "has a 3-D shape", "spatial order is 2-D: drop z with "
+           "shapely.force_2d")  # fmt: skip
+    finite = np.array([np.isfinite(shapely.get_coordinates(g)).all() for g in geoms])
+    refuse(~finite, "has a NaN or infinite vertex", "fix or drop those vertices")
+    invalid = ~is_point & ~shapely.is_valid(geoms)
+    if invalid.any():
+        # Box queries test such shapes as they are (shapely's predicates take them), so they
+        # are kept, but other tools may refuse them: say so.
+        first = int(np.flatnonzero(invalid)[0])
+        count = int(invalid.sum())
+        warnings.warn(f"shapes: {count} {'cell' if count == 1 else 'cells'}' shapes are not "
+                      f"valid polygons, e.g. {obs_names[first]!r} "
+                      f"({shapely.is_valid_reason(geoms[first])}); stored as given (box "
+                      "queries test them as they are); repair them with shapely.make_valid "
+                      "if other tools need valid ones", UserWarning, stacklevel=4)  # fmt: skip
+
+
 def _from_shapes(shapes: Any, obs_names: pd.Index):
     """Centroids, shape records, bounds and WKB (polygons) of a GeoDataFrame or GeoParquet
     path, one shape per cell, joined by obs name."""
@@ -122,7 +154,17 @@ def _from_shapes(shapes: Any, obs_names: pd.Index):
         import shapely
     except ImportError as err:
         raise ImportError("shapes need geopandas: pip install 'deltacells[spatial]'") from err
-    frame = gpd.read_parquet(shapes) if isinstance(shapes, str | os.PathLike) else shapes
+    if isinstance(shapes, str | os.PathLike):
+        if not os.path.exists(shapes):
+            raise FileNotFoundError(f"shapes file {os.fspath(shapes)}: not found (a GeoParquet "
+                                    "file with one shape per obs name)")  # fmt: skip
+        try:
+            frame = gpd.read_parquet(shapes)
+        except (OSError, ValueError) as err:
+            raise FormatError(f"shapes file {os.fspath(shapes)}: not a GeoParquet file "
+                              f"({err})") from err  # fmt: skip
+    else:
+        frame = shapes
     if not isinstance(frame, gpd.GeoDataFrame):
         raise TypeError(f"shapes must be a GeoDataFrame or a GeoParquet path, not {type(frame)}")
     index = frame.index.astype(str)
@@ -137,9 +179,10 @@ def _from_shapes(shapes: Any, obs_names: pd.Index):
     point, polygon, multi = 0, 3, 6
     if not np.isin(kinds, [point, polygon, multi]).all():
         bad = int(np.flatnonzero(~np.isin(kinds, [point, polygon, multi]))[0])
-        raise ValueError(f"shapes: cell {obs_names[bad]!r} is a {shapely.get_type_id(geoms[bad])}"
-                         " geometry; only points (circles with a radius column), polygons and "
-                         "multipolygons are supported")  # fmt: skip
+        kind = "missing shape (None)" if geoms[bad] is None else geoms[bad].geom_type
+        raise ValueError(f"shapes: cell {obs_names[bad]!r} is a {kind}; only points (circles "
+                         "with a radius column), polygons and multipolygons are supported")
+    _check_geometries(geoms, kinds == point, obs_names, shapely)
     is_point = kinds == point
     radius = frame["radius"].to_numpy(dtype=np.float64) if "radius" in frame.columns \
         else np.zeros(len(frame))  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -417,6 +418,11 @@ class DeltacellsCSRDataset(CSRDataset):
     def _tile_reduce(self, per_tile: Callable[[sp.csr_matrix], np.ndarray]) -> list:
         return [per_tile(self.tile_matrix(t)) for t in range(self.dataset.manifest.n_tiles)]
 
+    def count_nonzero(self, axis: int | None = None) -> Any:
+        """Stored nonzeros in all, per gene (``axis=0``) or per cell (``1``), tile by tile
+        (int64; what scipy's ``getnnz`` gives)."""
+        return _count_nonzero_of(self, axis)
+
     def sum(self, axis: int | None = None, dtype: DTypeLike = None, out: Any = None) -> Any:
         """Sum over all values (``axis=None``), per gene (``0``) or per cell (``1``), computed
         tile by tile in bounded memory. Results are shaped as scipy's ``csr_matrix.sum``:
@@ -484,7 +490,6 @@ class DeltacellsCSRDataset(CSRDataset):
         if name.startswith("__") or name in ("dataset", "_cache", "_lock"):
             raise AttributeError(name)
         raise AttributeError(_LAZY_ADVICE.format(what=f"X.{name}"))
-
 
     def to_memory(self) -> sp.csr_matrix:
         """The whole matrix as one CSR, every tile decoded into one set of buffers."""
@@ -716,6 +721,48 @@ def _register_with_fast_array_utils() -> None:
 _register_with_fast_array_utils()
 
 
+def _count_nonzero_of(matrix: Any, axis: int | None) -> Any:
+    """``getnnz(axis)`` of a lazy matrix, tile by tile (see :meth:`_tile_reduce`)."""
+    if axis not in (None, 0, 1, -1, -2):
+        raise ValueError(f"axis must be None, 0 or 1, not {axis!r}")
+    if axis is None:
+        return int(sum(matrix._tile_reduce(lambda m: m.nnz)))
+    if axis in (0, -2):
+        total = np.zeros(matrix.shape[1], dtype=np.int64)
+        for part in matrix._tile_reduce(lambda m: m.getnnz(axis=0)):
+            total += part
+        return total
+    parts = matrix._tile_reduce(lambda m: m.getnnz(axis=1).astype(np.int64))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+class TileMapped:
+    """A function of each decoded tile of a lazy X (``X * X`` for a variance), reduced tile
+    by tile by the statistics scanpy dispatches (``axis_sum``, ``axis_nnz``) and otherwise
+    handed to scanpy as its dask array. Not an AnnData matrix: made only by
+    :func:`_register_with_scanpy`'s ``elem_mul``."""
+
+    ndim = 2
+
+    def __init__(self, base: DeltacellsCSRDataset, function: Callable, dtype: Any) -> None:
+        self.base, self.function, self.dtype = base, function, np.dtype(dtype)
+        self.shape = base.shape
+
+    def _tile_reduce(self, per_tile: Callable[[sp.csr_matrix], Any]) -> list:
+        return self.base._tile_reduce(lambda m: per_tile(self.function(m)))
+
+    def sum(self, axis: int | None = None, dtype: DTypeLike = None, out: Any = None) -> Any:
+        """Like :meth:`DeltacellsCSRDataset.sum`, of the mapped tiles."""
+        return _into(DeltacellsCSRDataset._sum(self, axis, dtype), out)  # type: ignore[arg-type]
+
+    def to_dask(self) -> Any:
+        """The mapped tiles as a dask array (one chunk per tile)."""
+        return self.base.to_dask().map_blocks(self.function, dtype=self.dtype)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        raise TypeError(_LAZY_ADVICE.format(what="converting X to a numpy array"))
+
+
 def _swap_lazy(value: Any) -> Any:
     return swap_lazy(value, DeltacellsCSRDataset, DeltacellsCSRDataset.to_dask)
 
@@ -724,7 +771,45 @@ def _register_with_scanpy() -> None:
     """Where scanpy has a dask implementation of a dispatched function, our X uses it on
     its dask array over tiles (see :mod:`deltacells.outofcore`). Done once scanpy is
     imported (importing it for this would cost seconds), from :func:`read_deltacells`."""
+    _register_tile_statistics()
     join_dispatchers(DeltacellsCSRDataset, DeltacellsCSRDataset.to_dask)
+    join_dispatchers(TileMapped, TileMapped.to_dask)
+
+
+def _axis_sum_lazy(x: Any, /, *, axis: Any = None, dtype: DTypeLike = None) -> Any:
+    # 1-D like scanpy's dask version (its callers square the result: no np.matrix here).
+    total = x.sum(axis=axis, dtype=dtype)
+    return total if axis is None else np.asarray(total).ravel()
+
+
+def _register_tile_statistics() -> None:
+    """scanpy's own statistics on the lazy X, reduced tile by tile: its dask versions of
+    per-gene counts and sums concatenate every chunk first (a whole matrix in memory).
+    scanpy 1.11 dispatches these in ``scanpy._utils``; later versions reach them through
+    fast_array_utils (registered at import) or the same functions."""
+    utils = sys.modules.get("scanpy._utils")
+    if utils is None:
+        return
+    lazy_types = (DeltacellsCSRDataset, TileMapped)
+    axis_nnz = getattr(utils, "axis_nnz", None)
+    if axis_nnz is not None and hasattr(axis_nnz, "register"):
+        for kind in lazy_types:
+            if kind not in axis_nnz.registry:
+                axis_nnz.register(kind)(lambda x, /, axis: _count_nonzero_of(x, axis))
+    axis_sum = getattr(utils, "axis_sum", None)
+    if axis_sum is not None and hasattr(axis_sum, "register"):
+        for kind in lazy_types:
+            if kind not in axis_sum.registry:
+                axis_sum.register(kind)(_axis_sum_lazy)
+    elem_mul = getattr(utils, "elem_mul", None)
+    if elem_mul is not None and hasattr(elem_mul, "register") \
+            and DeltacellsCSRDataset not in elem_mul.registry:  # fmt: skip
+
+        @elem_mul.register(DeltacellsCSRDataset)
+        def _elem_mul_lazy(x: DeltacellsCSRDataset, y: Any) -> Any:
+            if y is x:  # the square of X, for a variance: stays tile by tile
+                return TileMapped(x, lambda m: m.multiply(m).tocsr(), x.dtype)
+            return elem_mul(x.to_dask(), _swap_lazy(y))
 
 
 def read_deltacells(

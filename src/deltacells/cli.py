@@ -37,7 +37,7 @@ def _convert(args: argparse.Namespace) -> int:
         size = sum(manifest.tile_bytes)
         per_nnz = size / manifest.nnz if manifest.nnz else 0.0
         print(
-            f"wrote {args.dst}: {manifest.n_cells} cells x {manifest.n_genes} genes in "
+            f"wrote {args.dst}: {manifest.n_cells:,} cells x {manifest.n_genes:,} genes in "
             f"{_count(manifest.n_tiles, 'tile')}, {size / 1e6:.1f} MB "
             f"({per_nnz:.3f} bytes/nonzero)"
         )
@@ -52,7 +52,8 @@ def _kept(manifest) -> list[str]:
     lines = []
     if manifest.has_obs:
         changed = [c for c, e in (meta.get("obs_pandas") or {}).items() if "dtype" in e]
-        lines.append(f"obs: kept, {len(changed)} columns with their exact pandas dtypes")
+        lines.append(f"obs: kept, {_count(len(changed), 'column')} with their exact pandas "
+                     "dtypes")  # fmt: skip
     record = meta.get("anndata") or {}
     layers = record.get("layers") or {}
     counts = [n for n, where in layers.items() if where != "."]
@@ -79,6 +80,10 @@ def _spatial_line(spatial: dict) -> str:
             f"({spatial['origin'][0]:g}, {spatial['origin'][1]:g}), margin ({mx:g}, {my:g})")
 
 
+#: Seconds to reach a --scheduler before saying it did not answer.
+SCHEDULER_TIMEOUT_S = 10.0
+
+
 def _write(args: argparse.Namespace, sources):
     if args.scheduler:
         try:
@@ -86,7 +91,17 @@ def _write(args: argparse.Namespace, sources):
         except ImportError:
             raise ValueError("--scheduler needs dask.distributed: pip install "
                              "'deltacells[dask]'") from None  # fmt: skip
-        with Client(args.scheduler) as client:
+        if not args.quiet:
+            print(f"connecting to the dask scheduler at {args.scheduler} (up to "
+                  f"{SCHEDULER_TIMEOUT_S:g} s)", file=sys.stderr)  # fmt: skip
+        try:
+            client = Client(args.scheduler, timeout=SCHEDULER_TIMEOUT_S)
+        except (OSError, TimeoutError) as err:
+            raise ValueError(f"--scheduler {args.scheduler}: no dask scheduler answered within "
+                             f"{SCHEDULER_TIMEOUT_S:g} s ({err}); start one (dask scheduler) "
+                             "and its workers, check the address, or pass --workers N for a "
+                             "cluster on this machine") from None  # fmt: skip
+        with client:
             return _write_with(args, sources, client)
     return _write_with(args, sources, None)
 
@@ -134,7 +149,7 @@ def _info(args: argparse.Namespace) -> int:
     )
     print(f"  genes sorted     {'by total counts' if info['gene_order'] else 'no'}")
     columns = info["obs_columns"]
-    print(f"  obs columns      {len(columns)}")
+    print(f"  obs columns      {len(columns):,}")
     for name, kind in columns.items():
         print(f"    {name}: {kind}")
     stored = info["stored_parts"]
@@ -175,10 +190,10 @@ def _add_gene_major(args: argparse.Namespace) -> int:
     dataset = open_dataset(args.path)
     progress = None
     if not args.quiet:
-        from tqdm.auto import tqdm
+        from deltacells._progress import progress as progress_of
 
         def progress(blocks):
-            return tqdm(blocks, desc="gene-major blocks", unit="block")
+            return progress_of(blocks, desc="gene-major blocks", unit="block")
 
     record = add_gene_major(dataset, block_cells=args.block_cells, chunk_genes=args.chunk_genes,
                             n_threads=args.threads, progress=progress)  # fmt: skip
@@ -208,10 +223,10 @@ def _verify(args: argparse.Namespace) -> int:
     dataset = open_dataset(args.path)
     progress = None
     if not args.quiet:
-        from tqdm.auto import tqdm
+        from deltacells._progress import progress as progress_of
 
         def progress(tiles):
-            return tqdm(tiles, desc="verifying tiles", unit="tile")
+            return progress_of(tiles, desc="verifying tiles", unit="tile")
 
     dataset.verify(progress)
     if not args.quiet:
@@ -395,6 +410,11 @@ _FLAG_LANGUAGE = (
     (re.compile(r"\bgrid_tile_size="), "--grid-tile-size"),
     (re.compile(r"\borigin="), "--origin"),
     (re.compile(r"\bpoint_radius\b"), "--point-radius"),
+    (re.compile(r"\bn_chunks=(-?\d+)"), r"--n-chunks \1"),
+    (re.compile(r"\bn_threads=(-?\d+)"), r"--threads \1"),
+    (re.compile(r"or None for the default"), "or leave --threads out"),
+    (re.compile(r"\bblock_cells=(\d+)"), r"--block-cells \1"),
+    (re.compile(r"\bblock_cells\b"), "--block-cells"),
     (re.compile(r"\btile_size\b"), "--tile-size"),
     (re.compile(r"\bn_chunks\b"), "--n-chunks"),
 )

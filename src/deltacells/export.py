@@ -5,12 +5,13 @@ Written here without importing spatialdata (it needs Python >= 3.12; the tests r
 result with spatialdata in a virtualenv of its own): the shapes parquet through geopandas and
 pyarrow, the table through anndata's element IO, the element metadata as spatialdata 0.8
 writes it, plus RFC 4's additions (``spatial_index`` with the margin in the shapes element's
-attributes, ``index/0/tile_offsets``, one parquet row group per grid tile, GeoArrow geometry,
-``layers/X_csc``).
+attributes, ``index/0/tile_offsets``, row groups of whole grid tiles, integer instance ids,
+GeoArrow geometry, ``layers/X_csc``).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-__all__ = ["SPATIALDATA_VERSION", "to_spatialdata"]
+__all__ = ["ROW_GROUP_MIN_ROWS", "SPATIALDATA_VERSION", "row_group_tiles", "to_spatialdata"]
 
 #: The spatialdata store layout written (root ``spatialdata_attrs.version``; shapes elements
 #: are version 0.3 and tables 0.2, as spatialdata 0.8 writes them).
@@ -28,6 +29,34 @@ _SHAPES_VERSION = "0.3"
 _TABLE_VERSION = "0.2"
 _INSTANCE_KEY = "instance_id"
 _REGION_KEY = "region"
+#: The shapes' column holding the cells' names (obs names); the index is the instance id.
+_NAME_COLUMN = "cell_id"
+#: Rows a parquet row group holds at least (the last may hold fewer): consecutive grid tiles
+#: share a group, so a fine grid does not make one group (and footer entry) per tile.
+ROW_GROUP_MIN_ROWS = 8192
+
+
+def _instance_ids(n: int) -> pd.Index:
+    """Integer instance ids 0..n-1 in stored order: what spatialdata joins tables on (string
+    ids make its join slow)."""
+    return pd.RangeIndex(n, name=_INSTANCE_KEY)
+
+
+def row_group_tiles(tile_offsets: np.ndarray, min_rows: int = ROW_GROUP_MIN_ROWS) -> np.ndarray:
+    """The first grid tile of each parquet row group, then the number of grid tiles: whole
+    consecutive tiles, each group holding at least ``min_rows`` rows (the last one may hold
+    fewer)."""
+    offsets = np.asarray(tile_offsets, dtype=np.int64)
+    n_tiles = len(offsets) - 1
+    firsts = [0]
+    while True:
+        target = offsets[firsts[-1]] + min_rows
+        # the first tile boundary at or past the target ends the group
+        end = int(np.searchsorted(offsets, target, side="left"))
+        if end >= n_tiles:
+            break
+        firsts.append(max(end, firsts[-1] + 1))
+    return np.asarray([*firsts, n_tiles], dtype=np.int64)
 
 
 def _identity_transform(coordinate_system: str) -> list[dict]:
@@ -59,24 +88,29 @@ def _shapes_frame(dataset: Any, obs_names: pd.Index, point_radius: float | None)
         wkb_rows = reader._polygons(0, n, records)
         geoms = [g if isinstance(g, shapely.MultiPolygon) else shapely.MultiPolygon([g])
                  for g in wkb_rows]  # fmt: skip
-        return gpd.GeoDataFrame(geometry=geoms, index=obs_names)
+        return gpd.GeoDataFrame({_NAME_COLUMN: np.asarray(obs_names, dtype=object)},
+                                geometry=geoms, index=_instance_ids(n))  # fmt: skip
     radius = records[:, 1].copy() if records is not None else np.zeros(n)
     points = kinds == 0.0
     if points.any():
-        if point_radius is None or not point_radius > 0:
+        if point_radius is None:
             raise ValueError("the dataset's cells are points (centroids without shapes); "
                              "spatialdata stores them as circles: pass point_radius (e.g. "
                              "the spot radius) or write the dataset with shapes=")  # fmt: skip
+        if not (np.isfinite(point_radius) and point_radius > 0):
+            raise ValueError(f"point_radius={point_radius!r} must be a positive number (the "
+                             "circles' radius, e.g. the spot radius)")  # fmt: skip
         radius[points] = float(point_radius)
-    frame = gpd.GeoDataFrame({"radius": radius},
+    frame = gpd.GeoDataFrame({"radius": radius,
+                              _NAME_COLUMN: np.asarray(obs_names, dtype=object)},
                              geometry=gpd.points_from_xy(centroids[:, 0], centroids[:, 1]),
-                             index=obs_names)  # fmt: skip
+                             index=_instance_ids(n))  # fmt: skip
     return frame
 
 
 def _write_shapes(group_path: Path, frame, offsets: np.ndarray | None) -> None:
-    """shapes.parquet with GeoArrow geometry and, when ``offsets`` are given, one row group per
-    grid tile (empty ones included)."""
+    """shapes.parquet with GeoArrow geometry and, when ``offsets`` are given, row groups of
+    whole consecutive grid tiles (see :func:`row_group_tiles`)."""
     import pyarrow.parquet as pq
 
     group_path.mkdir(parents=True, exist_ok=True)
@@ -89,9 +123,13 @@ def _write_shapes(group_path: Path, frame, offsets: np.ndarray | None) -> None:
     if offsets is None:
         pq.write_table(table, target)
         return
+    groups = row_group_tiles(offsets)
     with pq.ParquetWriter(target, table.schema) as writer:
-        for k in range(len(offsets) - 1):
-            writer.write_table(table.slice(int(offsets[k]), int(offsets[k + 1] - offsets[k])))
+        for first, end in itertools.pairwise(groups):
+            start, stop = int(offsets[first]), int(offsets[end])
+            writer.write_table(
+                table.slice(start, stop - start), row_group_size=max(stop - start, 1)
+            )
 
 
 def to_spatialdata(
@@ -106,11 +144,15 @@ def to_spatialdata(
 ) -> Path:
     """Export a spatially ordered dataset as a SpatialData zarr store.
 
-    The store holds ``shapes/<shapes_name>`` (the cells in tile order: GeoArrow geometry, one
-    parquet row group per grid tile, ``spatial_index`` with the margin in the element's
-    attributes and ``index/0/tile_offsets``) and ``tables/<table_name>`` (X as CSR and
-    ``layers["X_csc"]`` as CSC of the same values, rows in the shapes' order, annotating the
-    shapes through the ``region`` and ``instance_id`` obs columns). Polygons and
+    The store holds ``shapes/<shapes_name>`` (the cells in tile order: GeoArrow geometry,
+    integer instance ids 0..n-1 as the index and the cells' names in a ``cell_id`` column,
+    parquet row groups of whole consecutive grid tiles of at least
+    :data:`ROW_GROUP_MIN_ROWS` rows, ``spatial_index`` with the margin and the row groups'
+    first tiles (``row_group_tiles``) in the element's attributes and
+    ``index/0/tile_offsets``) and ``tables/<table_name>`` (X as CSR and ``layers["X_csc"]``
+    as CSC of the same values, in the counts' dtype as written, rows in the shapes' order,
+    obs names as written, annotating the shapes through the ``region`` and integer
+    ``instance_id`` obs columns). Polygons and
     multipolygons are written as MultiPolygon, circles as points with a ``radius`` column.
 
     Parameters
@@ -168,6 +210,8 @@ def to_spatialdata(
     element = shapes.create_group(shapes_name)
     spatial_index = {k: v for k, v in index.to_json().items() if k != "tile_offsets"}
     spatial_index["tile_offsets"] = "index/0/tile_offsets"
+    # Which grid tiles each parquet row group holds (its first; the last entry is the count).
+    spatial_index["row_group_tiles"] = row_group_tiles(offsets).tolist()
     element.attrs.update({
         "encoding-type": "ngff:shapes",
         "axes": ["x", "y"],
@@ -176,13 +220,14 @@ def to_spatialdata(
         "spatial_index": spatial_index,
     })  # fmt: skip
     element.create_group("index").create_group("0").create_array(
-        "tile_offsets", data=np.asarray(offsets, dtype=np.int64))
+        "tile_offsets", data=np.asarray(offsets, dtype=np.int64)
+    )
     _write_shapes(out / "shapes" / shapes_name, frame, offsets)
 
     table = ad.AnnData(X=adata.X, obs=adata.obs.copy(), var=adata.var)
     table.layers["X_csc"] = adata.X.tocsc()
     table.obs[_REGION_KEY] = pd.Categorical([shapes_name] * table.n_obs)
-    table.obs[_INSTANCE_KEY] = np.asarray(adata.obs_names, dtype=object)
+    table.obs[_INSTANCE_KEY] = np.arange(table.n_obs, dtype=np.int64)
     table.uns["spatialdata_attrs"] = {"region": shapes_name, "region_key": _REGION_KEY,
                                       "instance_key": _INSTANCE_KEY}  # fmt: skip
     tables = root.create_group("tables")

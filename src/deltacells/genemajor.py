@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
-from deltacells.codec import DEFAULT_LEVEL, Tile, encode_tile
+from deltacells.codec import DEFAULT_LEVEL, Tile, encode_tile, exception_limit
 from deltacells.format import HEADER_SIZE, FormatError, parse_header
 from deltacells.integrity import (
     CHUNK_SUMS_KEY,
@@ -81,9 +81,21 @@ def _stored_rows(dataset: Any, lo: int, hi: int) -> sp.csr_matrix:
     return sp.vstack(parts, format="csr")
 
 
+class _TooManyExceptions(Exception):
+    """A block would hold more counts above 65535 than a tile may (see
+    :func:`~deltacells.codec.exception_limit`): a smaller block is needed."""
+
+    def __init__(self, lo: int, hi: int, count: int, limit: int) -> None:
+        super().__init__(f"cells {lo:,}..{hi:,} hold {count:,} counts above 65535, more than "
+                         f"the {limit:,} a block of them may hold")  # fmt: skip
+
+
 def _block_blob(dataset: Any, lo: int, hi: int, chunk_genes: int, level: int,
                 n_threads: int | None) -> tuple[bytes, int]:  # fmt: skip
     cells = _stored_rows(dataset, lo, hi).tocsc()
+    large = int(np.count_nonzero(cells.data > 65535))
+    if large > exception_limit(int(cells.nnz)):
+        raise _TooManyExceptions(lo, hi, large, int(exception_limit(int(cells.nnz))))
     # The CSC arrays of (cells x genes) are the CSR arrays of (genes x cells).
     genes_by_cells = sp.csr_matrix((cells.data, cells.indices, cells.indptr),
                                    shape=(dataset.manifest.n_genes, hi - lo))  # fmt: skip
@@ -128,6 +140,7 @@ def add_gene_major(
         The ``gene_major`` record written into the manifest metadata.
     """
     m = dataset.manifest
+    chosen = block_cells is None
     if block_cells is None:
         per_cell = max(m.nnz / max(m.n_cells, 1), 1.0)
         fits = int(np.clip(BLOCK_NNZ_BUDGET / per_cell, 1024, MAX_BLOCK_CELLS))
@@ -138,6 +151,22 @@ def add_gene_major(
         raise ValueError(f"chunk_genes must be >= 1, not {chunk_genes}")
     level = m.zstd_level if zstd_level is None else zstd_level
     level = DEFAULT_LEVEL if level is None else level
+    while True:
+        try:
+            return _write_blocks(dataset, block_cells, chunk_genes, level, n_threads, progress)
+        except _TooManyExceptions as err:
+            # As the writer does for cell-major tiles: a chosen size shrinks until the rare
+            # large counts fit (one cell always does: it holds fewer values than the limit).
+            if not chosen or block_cells == 1:
+                raise ValueError(f"block_cells={block_cells}: {err}; pass a smaller "
+                                 "block_cells, or leave it out to let the size adapt") from None
+            block_cells //= 2
+
+
+def _write_blocks(dataset: Any, block_cells: int, chunk_genes: int, level: int,
+                  n_threads: int | None, progress: Callable | None) -> dict:  # fmt: skip
+    """Encode and store every block and the manifest record (see :func:`add_gene_major`)."""
+    m = dataset.manifest
     n_blocks = -(-m.n_cells // block_cells)
     sizes, nnzs, crcs, headers, rows = [], [], [], [], []
     blocks = range(n_blocks)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -184,6 +185,26 @@ def grid_checksums(files: dict[str, bytes], tile_offsets: np.ndarray) -> np.ndar
     return out
 
 
+def _pair_of_numbers(value: Any, name: str, *, positive: bool) -> tuple[float, float]:
+    """``value`` as (x, y): one number for both or two numbers, finite (and > 0), else a
+    ValueError naming ``name`` and what it takes."""
+    what = "a positive number or two (x, y)" if positive else "two finite numbers (x, y)"
+    if isinstance(value, str | bytes):
+        raise ValueError(f"{name} must be {what}, not the text {value!r}")
+    try:
+        values = np.asarray(value, dtype=np.float64).ravel()
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be {what}, not {value!r}") from None
+    if positive and values.size == 1:
+        values = np.repeat(values, 2)
+    if values.size != 2:
+        raise ValueError(f"{name} must be {what}, not {values.size} values ({value!r}); "
+                         "spatial order is 2-D")  # fmt: skip
+    if not np.isfinite(values).all() or (positive and not (values > 0).all()):
+        raise ValueError(f"{name} must be {what}, not {value!r}")
+    return float(values[0]), float(values[1])
+
+
 def choose_grid(
     centroids: np.ndarray,
     grid_tile_size: float | tuple[float, float] | None = None,
@@ -205,7 +226,7 @@ def choose_grid(
     lo = xy.min(axis=0) if len(xy) else np.zeros(2)
     hi = xy.max(axis=0) if len(xy) else np.zeros(2)
     if origin is not None:
-        ox, oy = (float(v) for v in origin)
+        ox, oy = _pair_of_numbers(origin, "origin", positive=False)
         if len(xy) and (lo[0] < ox or lo[1] < oy):
             raise ValueError(f"origin {(ox, oy)} is not below and left of every centroid "
                              f"(the lowest are {tuple(lo)})")  # fmt: skip
@@ -220,9 +241,7 @@ def choose_grid(
             side = max(float(extent.max()) / n_tiles, 1.0)
         size = (side, side)
     else:
-        size = tuple(float(v) for v in np.broadcast_to(np.asarray(grid_tile_size, float), 2))
-        if not all(math.isfinite(v) and v > 0 for v in size):
-            raise ValueError(f"grid_tile_size must be positive, not {grid_tile_size!r}")
+        size = _pair_of_numbers(grid_tile_size, "grid_tile_size", positive=True)
     shape = tuple(max(1, math.ceil(e / s)) if e > 0 else 1
                   for e, s in zip(extent, size, strict=True))  # fmt: skip
     if shape[0] * shape[1] > MAX_GRID_TILES:
@@ -272,8 +291,9 @@ def grid_tiles_overlapping(index: SpatialIndex, box: tuple[float, float, float, 
 def _axis_range(lo: float, hi: float, origin: float, size: float, n: int) -> tuple[int, int]:
     # Clipped like the tile ids: cells beyond the grid live in its edge tiles, so a box
     # beyond the grid reaches those (the exact test then decides).
-    first = min(max(math.floor((lo - origin) / size), 0), n - 1)
-    last = min(max(math.floor((hi - origin) / size), 0), n - 1)
+    # Clamped as floats first: a box edge of 1e308 over a fine grid is no integer.
+    first = math.floor(min(max((lo - origin) / size, 0.0), n - 1.0))
+    last = math.floor(min(max((hi - origin) / size, 0.0), n - 1.0))
     return first, last + 1
 
 

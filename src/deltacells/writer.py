@@ -343,13 +343,26 @@ def _file_layer_hint(path: Path) -> str:
 
 def _open_group(path: Path) -> tuple[Any, list[Callable[[], None]]]:
     """The root group of a .h5ad file or .zarr store, and how to close it."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or folder")
     if path.suffix == ".zarr" or path.is_dir():
         import zarr
 
-        return zarr.open_group(str(path), mode="r"), []
+        if (path / "manifest.json").exists():
+            raise FormatError(f"{path}: a deltacells dataset, not an AnnData input: the source "
+                              "comes first, then the target")  # fmt: skip
+        try:
+            return zarr.open_group(str(path), mode="r"), []
+        except (FileNotFoundError, ValueError, KeyError, OSError) as err:
+            raise FormatError(f"{path}: not an AnnData .zarr store ({err}); the inputs are "
+                              "AnnData .h5ad files or .zarr folders") from err  # fmt: skip
     import h5py
 
-    group = h5py.File(path, "r")
+    try:
+        group = h5py.File(path, "r")
+    except OSError as err:
+        raise FormatError(f"{path}: not an HDF5 file, so not an .h5ad ({err}); the inputs are "
+                          "AnnData .h5ad files or .zarr folders") from err  # fmt: skip
     return group, [group.close]
 
 
@@ -779,10 +792,10 @@ def _tile_matrix(
 def _progress_factory(progress: bool) -> Callable:
     if not progress:
         return lambda iterable, **_: iterable
-    from tqdm.auto import tqdm
+    from deltacells._progress import progress as progress_of
 
     # The bars stay as a one-line summary of each pass once it is done.
-    return lambda iterable, **kwargs: tqdm(iterable, **{"unit": "tile", **kwargs})
+    return lambda iterable, **kwargs: progress_of(iterable, **{"unit": "tile", **kwargs})
 
 
 #: Names a dataset written by this package may hold (FORMAT.md's layout plus the writer's
@@ -1010,6 +1023,10 @@ def write_deltacells(
     tile_size = DEFAULT_TILE_SIZE if tile_size is None else tile_size
     if tile_size < 1 or (n_chunks is not None and n_chunks < 1) or obs_tiles_per_file < 1:
         raise ValueError("tile_size, n_chunks and obs_tiles_per_file must be >= 1")
+    if n_chunks is not None and n_chunks > tile_size:
+        raise ValueError(f"n_chunks={n_chunks} is more than the {tile_size:,} cells of a tile "
+                         "(tile_size), and a chunk holds at least one cell; chunks of 64 to 512 "
+                         f"cells suit random reads (e.g. n_chunks={max(1, tile_size // 256)})")
     reserved = sorted(set(metadata or {}) & set(METADATA_KEYS))
     if reserved:
         raise ValueError(f"metadata keys {reserved} are the writer's own; name yours otherwise "
