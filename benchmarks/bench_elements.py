@@ -93,14 +93,21 @@ def table(results: dict) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+#: The JSON keys of the reading modes and how the plot names them (the option as typed).
+LEGEND = {"elements_false": "read_deltacells(elements=False)",
+          "elements_lazy": 'read_deltacells(elements="lazy")',
+          "elements_true": "read_deltacells(elements=True)"}  # fmt: skip
+
+
 def plot(results: dict) -> None:
     labels = list(results["cases"])
     sizes = [results["cases"][k]["obsm_mb"] for k in labels]
     fig, (left, right) = page_figure(2, panel_height=2.8)
-    for mode in ("elements_false", "elements_lazy", "elements_true"):
-        left.plot(sizes, [results["cases"][k][mode]["open_ms"] for k in labels], "o-", label=mode)
+    for mode, label in LEGEND.items():
+        left.plot(sizes, [results["cases"][k][mode]["open_ms"] for k in labels], "o-",
+                  label=label)  # fmt: skip
         right.plot(sizes, [results["cases"][k][mode]["slice_ms"] for k in labels], "o-",
-                   label=mode)  # fmt: skip
+                   label=label)  # fmt: skip
     left.plot(sizes, [results["cases"][k]["anndata_backed_h5ad"]["open_ms"] for k in labels],
               "s--", label="anndata read_h5ad(backed='r')")  # fmt: skip
     left.set(xlabel="obsm size (MB)", ylabel="open (ms, median)", title="read_deltacells open")

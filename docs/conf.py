@@ -51,3 +51,6 @@ for _name, (_url, _local) in _INVENTORIES.items():
         continue
     intersphinx_mapping[_name] = (_url, (_local, None) if _have_local else None)
 intersphinx_timeout = 10
+
+# Code blocks scroll sideways instead of being cut off, and pages use the window's width.
+html_css_files = ["custom.css"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -178,11 +179,28 @@ BAD_CONVERTS = [
                                 "needs --spatial-key or --shapes"),
     (["--spatial-key", "spatial", "--shapes", "x.parquet"],
      "--spatial-key and --shapes both give the cells' positions"),
+    (["--shapes", "missing.parquet"], "shapes file missing.parquet: not found"),
+    (["--threads", "-3"], "leaves no thread on this machine's"),
+    (["--n-chunks", "100000"], "--n-chunks 100000 is more than the 4,096 cells of a tile"),
+    (["--spatial-key", "spatial", "--grid-tile-size", "0"], "--grid-tile-size must be a "
+                                                            "positive number"),
+    (["--spatial-key", "nothere"], "has no obsm['nothere'] to order cells by"),
 ]  # fmt: skip
 
 
+def _usable_cpus() -> int:
+    from deltacells._parallel import usable_cpu_count
+
+    return usable_cpu_count()
+
+
 @pytest.mark.parametrize(("flags", "message"), BAD_CONVERTS)
-def test_bad_flags_are_named_and_leave_nothing(tmp_path, capsys, flags, message):
+def test_bad_flags_are_named_and_leave_nothing(tmp_path, capsys, flags, message, monkeypatch):
+    if flags == ["--threads", "-3"] and _usable_cpus() > 2:
+        flags = ["--threads", str(-(_usable_cpus() + 1))]
+    if flags[0] == "--shapes":
+        pytest.importorskip("geopandas")
+    monkeypatch.chdir(tmp_path)
     target = tmp_path / "out.dc"
     assert main(["convert", str(VISIUM), str(target), "--quiet", *flags]) == 1
     err = capsys.readouterr().err
@@ -222,3 +240,64 @@ def test_version_and_info_without_the_names_column(tmp_path, capsys):
     assert main(["info", "--json", str(tmp_path / "d")]) == 0
     info = json.loads(capsys.readouterr().out)
     assert "_index" not in info["obs_columns"] and "in_tissue" in info["obs_columns"]
+
+
+def _bad_sources(tmp_path: Path) -> list[tuple[list[str], str]]:
+    """Sources a user may give by mistake: (convert arguments, what the error must say)."""
+    (tmp_path / "text.h5ad").write_text("not hdf5")
+    (tmp_path / "plain.zarr").mkdir()
+    dc.write_deltacells(VISIUM, tmp_path / "made.dc", progress=False)
+    return [
+        ([str(tmp_path / "text.h5ad")], "text.h5ad: not an HDF5 file, so not an .h5ad"),
+        ([str(tmp_path / "plain.zarr")], "plain.zarr: not an AnnData .zarr store"),
+        ([str(tmp_path / "made.dc")], "made.dc: a deltacells dataset, not an AnnData input: "
+                                      "the source comes first, then the target"),
+        ([str(tmp_path / "nothing.h5ad")], "nothing.h5ad: no such file"),
+    ]  # fmt: skip
+
+
+def test_bad_sources_are_named_and_leave_nothing(tmp_path, capsys):
+    for sources, message in _bad_sources(tmp_path):
+        target = tmp_path / "out.dc"
+        assert main(["convert", *sources, str(target), "--quiet"]) == 1, sources
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and err.count("\n") == 1, err
+        assert not target.exists()
+
+
+def test_an_unreachable_scheduler_is_named_with_the_way_forward(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("distributed")
+    import deltacells.cli as cli
+
+    monkeypatch.setattr(cli, "SCHEDULER_TIMEOUT_S", 1.0)
+    target = tmp_path / "out.dc"
+    assert main(["convert", str(VISIUM), str(target), "--scheduler", "tcp://127.0.0.1:9"]) == 1
+    err = capsys.readouterr().err
+    assert "--scheduler tcp://127.0.0.1:9: no dask scheduler answered within 1 s" in err
+    assert "--workers N" in err and not target.exists()
+
+
+def test_progress_in_a_log_is_lines_not_carriage_returns(tmp_path, capsys):
+    assert main(["convert", str(VISIUM), str(tmp_path / "d")]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    assert "encoding tiles: 100% 1/1 tiles in" in err
+
+
+def test_gene_major_blocks_adapt_to_many_large_counts(tmp_path, capsys):
+    """A STARmap-like panel: 4,000 cells x 28 genes with 1,608 counts above 65535."""
+    rng = np.random.default_rng(0)
+    X = rng.poisson(50, (4000, 28)).astype(np.int32)
+    X.flat[rng.choice(X.size, 1608, replace=False)] = rng.integers(65536, 300000, 1608)
+    import anndata as ad
+    import scipy.sparse as sp
+
+    ad.AnnData(X=sp.csr_matrix(X)).write_h5ad(tmp_path / "panel.h5ad")
+    root = tmp_path / "panel.dc"
+    assert main(["convert", str(tmp_path / "panel.h5ad"), str(root), "--quiet"]) == 0
+    assert main(["add-gene-major", str(root), "--block-cells", "4096", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "--block-cells 4096: cells 0..4,000 hold 1,608 counts above 65535" in err
+    assert main(["add-gene-major", str(root), "--quiet"]) == 0
+    genes = dc.open_dataset(root).genes(list(range(28)), values_dtype=np.int32)
+    assert (sp.csr_matrix(genes) != sp.csr_matrix(X)).nnz == 0

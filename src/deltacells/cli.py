@@ -408,6 +408,8 @@ _FLAG_LANGUAGE = (
     (re.compile(r"\bspatial_key="), "--spatial-key"),
     (re.compile(r"\bshapes="), "--shapes"),
     (re.compile(r"\bgrid_tile_size="), "--grid-tile-size"),
+    (re.compile(r"\bgrid_tile_size must\b"), "--grid-tile-size must"),
+    (re.compile(r"\borigin must\b"), "--origin must"),
     (re.compile(r"\borigin="), "--origin"),
     (re.compile(r"\bpoint_radius\b"), "--point-radius"),
     (re.compile(r"\bn_chunks=(-?\d+)"), r"--n-chunks \1"),

@@ -147,7 +147,7 @@ def to_spatialdata(
     The store holds ``shapes/<shapes_name>`` (the cells in tile order: GeoArrow geometry,
     integer instance ids 0..n-1 as the index and the cells' names in a ``cell_id`` column,
     parquet row groups of whole consecutive grid tiles of at least
-    :data:`ROW_GROUP_MIN_ROWS` rows, ``spatial_index`` with the margin and the row groups'
+    ``ROW_GROUP_MIN_ROWS`` (8,192) rows, ``spatial_index`` with the margin and the row groups'
     first tiles (``row_group_tiles``) in the element's attributes and
     ``index/0/tile_offsets``) and ``tables/<table_name>`` (X as CSR and ``layers["X_csc"]``
     as CSC of the same values, in the counts' dtype as written, rows in the shapes' order,
