@@ -100,8 +100,9 @@ def effective_n_threads(n_threads: int | None = None) -> int:
     ----------
     n_threads
         ``None`` for the default (``OMP_NUM_THREADS``, else the usable CPUs), a positive count,
-        or a negative count meaning "usable CPUs + 1 + n_threads" (``-1`` is all of them;
-        one that leaves no thread is refused).
+        or a negative count meaning "usable CPUs + 1 + n_threads" (``-1`` is all of them; at
+        least 1, as scikit-learn resolves it; the command line refuses a count that leaves
+        none).
 
     Returns
     -------
@@ -126,11 +127,7 @@ def effective_n_threads(n_threads: int | None = None) -> int:
         env = _omp_num_threads()
         count = env if env is not None else usable_cpu_count()
     elif n_threads < 0:
-        count = usable_cpu_count() + 1 + n_threads
-        if count < 1:
-            raise ValueError(f"n_threads={n_threads} leaves no thread on this machine's "
-                             f"{usable_cpu_count()} usable CPUs (-1 is all of them, -2 all but "
-                             "one); pass a count >= 1 or None for the default")  # fmt: skip
+        count = max(1, usable_cpu_count() + 1 + n_threads)
     else:
         count = int(n_threads)
     if count > 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -101,6 +102,9 @@ class DeltacellsCSRDataset(CSRDataset):
         Most bytes of tiles kept parsed in memory.
     ranged_reads
         Fetch only the chunks a row selection needs, by ranged reads, instead of whole tiles.
+    rows
+        The stored rows this matrix shows, in order (int64; ``None``: every cell). Made by
+        :meth:`take_rows`: a box or a reordering read only those cells' tiles.
     """
 
     format = "csr"
@@ -115,6 +119,7 @@ class DeltacellsCSRDataset(CSRDataset):
         n_threads: int | None = None,
         tile_cache_bytes: int = 256 * 2**20,
         ranged_reads: bool = False,
+        rows: np.ndarray | None = None,
     ) -> None:
         if column_order not in COLUMN_ORDERS:
             raise ValueError(f"column_order must be one of {COLUMN_ORDERS}, not {column_order!r}")
@@ -127,7 +132,11 @@ class DeltacellsCSRDataset(CSRDataset):
         #: Fetch only the chunks a row selection needs (no tile CRC check); see
         #: ``read_deltacells(ranged_reads=...)``.
         self.ranged_reads = ranged_reads
-        self.shape = dataset.shape
+        self._rows = None if rows is None else np.asarray(rows, dtype=np.int64)
+        if self._rows is not None and self._rows.size and (
+                self._rows.min() < 0 or self._rows.max() >= dataset.shape[0]):  # fmt: skip
+            raise IndexError(f"rows outside the dataset's {dataset.shape[0]} cells")
+        self.shape = dataset.shape if self._rows is None else (len(self._rows), dataset.shape[1])
         self._limits = dataset.manifest.limits
         self._starts = np.concatenate([[0], self._limits[:-1]]).astype(np.int64)
         order = dataset.gene_order() if column_order == "source" else None
@@ -150,6 +159,7 @@ class DeltacellsCSRDataset(CSRDataset):
             "n_threads": self.n_threads,
             "tile_cache_bytes": self.tile_cache_bytes,
             "ranged_reads": self.ranged_reads,
+            "rows": self._rows,
         }
 
     def __setstate__(self, state: dict) -> None:
@@ -161,6 +171,7 @@ class DeltacellsCSRDataset(CSRDataset):
             n_threads=state["n_threads"],
             tile_cache_bytes=state["tile_cache_bytes"],
             ranged_reads=state.get("ranged_reads", False),
+            rows=state.get("rows"),
         )
 
     def __dask_tokenize__(self) -> tuple:
@@ -170,7 +181,8 @@ class DeltacellsCSRDataset(CSRDataset):
         m = self.dataset.manifest
         return ("deltacells", self.dataset.store.describe(), m.n_cells, m.n_genes,
                 tuple(m.tile_bytes), tuple(m.tile_crc32 or ()), self.column_order,
-                self.dtype.str)  # fmt: skip
+                self.dtype.str, None if self._rows is None else
+                hashlib.sha1(self._rows.tobytes()).hexdigest())  # fmt: skip
 
     def __repr__(self) -> str:
         return (
@@ -180,8 +192,53 @@ class DeltacellsCSRDataset(CSRDataset):
 
     @property
     def nnz(self) -> int:
-        """Stored nonzeros."""
-        return self.dataset.manifest.nnz
+        """Stored nonzeros (of the rows shown: counted from the tiles' row pointers)."""
+        if self._rows is None:
+            return self.dataset.manifest.nnz
+        touched, groups, local = group_by_tile(self._rows, self._limits)
+        total = 0
+        for tile, positions in zip(self.tiles(touched.tolist()), groups, strict=True):
+            rows = local[positions]
+            total += int(np.sum(tile.indptr[rows + 1] - tile.indptr[rows]))
+        return total
+
+    def take_rows(self, positions: Any) -> DeltacellsCSRDataset:
+        """The lazy matrix of rows ``positions`` of this one (an index as ``X[...]`` takes):
+        nothing is read until it is sliced or computed, and then only those cells' tiles."""
+        positions, _ = _normalize_rows(positions, self.shape[0])
+        stored = positions if self._rows is None else self._rows[positions]
+        return DeltacellsCSRDataset(self.dataset, column_order=self.column_order,
+                                    values_dtype=self.dtype, n_threads=self.n_threads,
+                                    tile_cache_bytes=self.tile_cache_bytes,
+                                    ranged_reads=self.ranged_reads, rows=stored)  # fmt: skip
+
+    # -- blocks: the tiles, or runs of a row selection -----------------------------------------
+
+    @property
+    def n_blocks(self) -> int:
+        """Blocks the matrix is computed in: its tiles, or for a row selection, runs of as
+        many rows as a tile holds."""
+        if self._rows is None:
+            return self.dataset.manifest.n_tiles
+        return -(-self.shape[0] // self._block_rows())
+
+    def _block_rows(self) -> int:
+        return max(1, int(self.dataset.manifest.tile_size))
+
+    def block_length(self, index: int) -> int:
+        """Rows of block ``index``."""
+        if self._rows is None:
+            return int(self.dataset.manifest.tile_cells[index])
+        size = self._block_rows()
+        return min(self.shape[0], (index + 1) * size) - index * size
+
+    def block_matrix(self, index: int) -> sp.csr_matrix:
+        """Block ``index`` as CSR: tile ``index``, or the ``index``-th run of selected rows."""
+        if self._rows is None:
+            return self.tile_matrix(index)
+        size = self._block_rows()
+        return self.get_rows(np.arange(index * size, index * size + self.block_length(index),
+                                       dtype=np.int64))  # fmt: skip
 
     # -- tiles ---------------------------------------------------------------------------------
 
@@ -235,6 +292,8 @@ class DeltacellsCSRDataset(CSRDataset):
         ``ranged_reads``, only the chunks holding the rows are fetched instead.
         """
         n_genes = self.shape[1]
+        if self._rows is not None:
+            rows = self._rows[rows]
         if rows.size == 0:
             return sp.csr_matrix((0, n_genes), dtype=self.dtype)
         if self.ranged_reads:
@@ -366,7 +425,7 @@ class DeltacellsCSRDataset(CSRDataset):
             raise IndexError(f"column index out of range for {self.shape[1]} genes")
         matrix = self.dataset.genes(columns.tolist(), values_dtype=self.dtype,
                                     column_order=self.column_order)  # fmt: skip
-        return matrix.tocsr()
+        return matrix.tocsr() if self._rows is None else matrix.tocsr()[self._rows]
 
     def tile_matrix(self, index: int) -> sp.csr_matrix:
         """All cells of tile ``index`` as CSR (columns in the requested order)."""
@@ -384,7 +443,6 @@ class DeltacellsCSRDataset(CSRDataset):
             import dask.array as da
         except ImportError as err:  # pragma: no cover - exercised without the extra
             raise ImportError("to_dask needs dask: pip install 'deltacells[dask]'") from err
-        m = self.dataset.manifest
         meta = sp.csr_matrix((0, self.shape[1]), dtype=self.dtype)
         # Keys named from the stored data's identity: the same dataset gives the same graph,
         # and dask never pickles this object to name a task (unpickling reopens the dataset).
@@ -393,11 +451,11 @@ class DeltacellsCSRDataset(CSRDataset):
         blocks = [
             da.from_delayed(
                 decode(self, t, dask_key_name=f"deltacells-tile-{token}-{t}"),
-                shape=(m.tile_cells[t], self.shape[1]),
+                shape=(self.block_length(t), self.shape[1]),
                 dtype=self.dtype,
                 meta=meta,
             )
-            for t in range(m.n_tiles)
+            for t in range(self.n_blocks)
         ]
         if not blocks:
             return da.from_array(meta, chunks=meta.shape, meta=meta)
@@ -413,10 +471,10 @@ class DeltacellsCSRDataset(CSRDataset):
         return DeltacellsCSRDataset(self.dataset, column_order=self.column_order,
                                     values_dtype=self.dtype, n_threads=self.n_threads,
                                     tile_cache_bytes=self.tile_cache_bytes,
-                                    ranged_reads=self.ranged_reads)  # fmt: skip
+                                    ranged_reads=self.ranged_reads, rows=self._rows)  # fmt: skip
 
     def _tile_reduce(self, per_tile: Callable[[sp.csr_matrix], np.ndarray]) -> list:
-        return [per_tile(self.tile_matrix(t)) for t in range(self.dataset.manifest.n_tiles)]
+        return [per_tile(self.block_matrix(b)) for b in range(self.n_blocks)]
 
     def count_nonzero(self, axis: int | None = None) -> Any:
         """Stored nonzeros in all, per gene (``axis=0``) or per cell (``1``), tile by tile
@@ -493,6 +551,8 @@ class DeltacellsCSRDataset(CSRDataset):
 
     def to_memory(self) -> sp.csr_matrix:
         """The whole matrix as one CSR, every tile decoded into one set of buffers."""
+        if self._rows is not None:
+            return self.get_rows(np.arange(self.shape[0], dtype=np.int64))
         m = self.dataset.manifest
         # What is allocated next is what the manifest claims, bounded by the reader's limits
         # per tile byte: make sure those bytes exist before believing the claim.
@@ -566,9 +626,9 @@ def _ranged_pool():
 
 
 def _decode_tile(matrix: DeltacellsCSRDataset, index: int) -> sp.csr_matrix:
-    """One dask task: tile ``index`` of ``matrix`` (a plain function, so that dask names the
+    """One dask task: block ``index`` of ``matrix`` (a plain function, so that dask names the
     task by the matrix's token instead of pickling a bound method)."""
-    return matrix.tile_matrix(index)
+    return matrix.block_matrix(index)
 
 
 def _concatenate(
@@ -652,8 +712,8 @@ def write_lazy_csr(f: Any, key: str, elem: DeltacellsCSRDataset, *, _writer: Any
                   for name, (n, dtype) in columns.items()}  # fmt: skip
     offset, row = 0, 0
     arrays["indptr"][0:1] = np.zeros(1, dtype=np.int64)
-    for t in range(elem.dataset.manifest.n_tiles):
-        matrix = elem.tile_matrix(t)
+    for t in range(elem.n_blocks):
+        matrix = elem.block_matrix(t)
         end = offset + matrix.nnz
         if matrix.nnz:
             arrays["data"][offset:end] = matrix.data
@@ -870,13 +930,15 @@ def read_deltacells(
         For a dataset written in spatial order: only the cells in the box (xmin, ymin, xmax,
         ymax), selected as :meth:`Dataset.query_bbox` does (``"intersects"``: the cell's
         shape touches the box, borders included; ``"centroid"``: its centroid is in the
-        box). The result is a view of the lazy AnnData, in stored (spatial) order; X decodes
-        only the tiles those cells are in.
+        box). The result holds those cells only, in stored (spatial) order: their obs, the
+        elements' rows, and X and count layers as lazy matrices of those rows
+        (:meth:`DeltacellsCSRDataset.take_rows`) that decode only the tiles the cells are in.
     row_order
         ``"stored"`` (default): cells in the order they are stored (shuffled or spatial
         datasets store them in another order than written); ``"source"``: in the order they
-        were written, undoing ``cell_order.npy`` (a view of the lazy AnnData, so X still
-        decodes only what a slice touches). The same for datasets stored in source order.
+        were written, undoing ``cell_order.npy`` (X stays lazy, a lazy matrix of the rows
+        in that order, decoding only what a slice touches). The same for datasets stored in
+        source order.
     ranged_reads
         Row selections fetch only the chunks holding the rows (the header, chunk table,
         indptr slice and frames of each tile touched) instead of whole tiles: fewer bytes for
@@ -901,7 +963,6 @@ def read_deltacells(
     }
     X = _lazy_matrix(dataset, options)
     var = _var(dataset, column_order)
-    obs_frame = _obs(dataset, obs, cache_dir)
     if row_order not in ("stored", "source"):
         raise ValueError(f"row_order must be 'stored' or 'source', not {row_order!r}")
     rows = None if bbox is None else dataset.query_bbox(bbox, mode=bbox_mode).rows
@@ -913,8 +974,36 @@ def read_deltacells(
     parts = _stored_parts(dataset, X, elements, options)
     # Written with layer=: the tiles hold that layer, and the AnnData's own X is an element.
     X = parts.pop("X", X)
-    adata = OutOfCoreAnnData(X=X, obs=obs_frame, var=var, **parts)
-    return adata if rows is None else adata[rows]
+    obs_frame = _obs(dataset, obs, cache_dir, rows)
+    if rows is not None:
+        # Only the selected cells are built: lazy matrices show those rows, elements are cut.
+        X, parts = _take_rows(X, rows), _parts_of_rows(parts, rows)
+    return OutOfCoreAnnData(X=X, obs=obs_frame, var=var, **parts)
+
+
+def _take_rows(value: Any, rows: np.ndarray) -> Any:
+    """Rows ``rows`` of a lazy matrix (still lazy), a dask array (still lazy), a DataFrame or
+    an in-memory array."""
+    if isinstance(value, DeltacellsCSRDataset):
+        return value.take_rows(rows)
+    if isinstance(value, pd.DataFrame):
+        return value.iloc[rows]
+    return value[rows]
+
+
+def _parts_of_rows(parts: dict, rows: np.ndarray) -> dict:
+    """:func:`_stored_parts` for the cells ``rows`` only (obsp on both axes)."""
+    out = dict(parts)
+    if "layers" in parts:
+        out["layers"] = {k: _take_rows(v, rows) for k, v in parts["layers"].items()}
+    if "raw" in parts:
+        out["raw"] = {**parts["raw"], "X": _take_rows(parts["raw"]["X"], rows)}
+    if "obsm" in parts:
+        out["obsm"] = {k: _take_rows(v, rows) for k, v in parts["obsm"].items()}
+    if "obsp" in parts:
+        out["obsp"] = {k: _take_rows(_take_rows(v, rows).T, rows).T
+                       for k, v in parts["obsp"].items()}  # fmt: skip
+    return out
 
 
 def written_values_dtype(dataset: Dataset) -> np.dtype:
@@ -1023,11 +1112,13 @@ def _default_var_names(dataset: Dataset) -> list[str]:
     return [str(i) for i in range(m.n_genes)]
 
 
-def _obs(dataset: Dataset, obs: bool | Sequence[str], cache_dir) -> pd.DataFrame:
+def _obs(dataset: Dataset, obs: bool | Sequence[str], cache_dir,
+         rows: np.ndarray | None = None) -> pd.DataFrame:  # fmt: skip
+    """obs of every cell, or of stored rows ``rows`` only (built for those alone)."""
     schema = dataset.obs_schema()
-    n_cells = dataset.shape[0]
+    n_cells = dataset.shape[0] if rows is None else len(rows)
     if schema is None:
-        return pd.DataFrame(index=_default_obs_names(dataset))
+        return pd.DataFrame(index=_default_obs_names(dataset, rows))
     index_column = dataset.obs_index_column(schema)
     if obs is True:
         columns = [c for c in schema.names if c != index_column]
@@ -1040,19 +1131,23 @@ def _obs(dataset: Dataset, obs: bool | Sequence[str], cache_dir) -> pd.DataFrame
             raise KeyError(f"obs columns not in the dataset: {missing}")
     cache = ObsCache(dataset, cache_dir)
     cache.localize(([index_column] if index_column is not None else []) + columns)
-    frame = pd.DataFrame({c: cache.series(c).to_numpy() if schema[c].kind != "category"
-                          else cache.series(c) for c in columns})  # fmt: skip
+    def selected(name: str) -> pd.Series:
+        series = cache.series(name)
+        return series if rows is None else series.iloc[rows].reset_index(drop=True)
+
+    frame = pd.DataFrame({c: selected(c).to_numpy() if schema[c].kind != "category"
+                          else selected(c) for c in columns})  # fmt: skip
     if index_column is not None:
-        frame.index = pd.Index(cache.series(index_column).astype(str).to_numpy())
+        frame.index = pd.Index(selected(index_column).astype(str).to_numpy())
     else:
-        frame.index = _default_obs_names(dataset)
+        frame.index = _default_obs_names(dataset, rows)
     if len(frame) != n_cells:  # no columns asked for: an empty frame of the right length
         frame = pd.DataFrame(index=frame.index)
     record = dataset.manifest.metadata.get("obs_pandas")
     return restore_dtypes(frame, record, dataset.store.describe(MANIFEST_NAME))
 
 
-def _default_obs_names(dataset: Dataset) -> pd.Index:
+def _default_obs_names(dataset: Dataset, rows: np.ndarray | None = None) -> pd.Index:
     """``"0" .. "n-1"`` for a dataset without stored obs names.
 
     The manifest's cell count is believed only once the tiles that claim the most cells (the
@@ -1064,5 +1159,6 @@ def _default_obs_names(dataset: Dataset) -> pd.Index:
     if m.n_tiles:
         dataset.check_tile_sizes(sorted({0, m.n_tiles - 1}))
     # Arrow makes the strings about 3x faster than numpy's astype(str).astype(object).
-    names = pc.cast(pa.array(np.arange(m.n_cells, dtype=np.int64)), pa.string())
+    positions = np.arange(m.n_cells, dtype=np.int64) if rows is None else rows
+    names = pc.cast(pa.array(positions), pa.string())
     return pd.Index(names.to_numpy(zero_copy_only=False), dtype=object, copy=False)

@@ -84,7 +84,18 @@ def _spatial_line(spatial: dict) -> str:
 SCHEDULER_TIMEOUT_S = 10.0
 
 
+def _check_threads(threads: int | None) -> None:
+    """``--threads -N`` that leaves no thread on this machine is a mistake, not "one"."""
+    from deltacells._parallel import usable_cpu_count
+
+    if threads is not None and threads < 0 and usable_cpu_count() + 1 + threads < 1:
+        raise ValueError(f"--threads {threads} leaves no thread on this machine's "
+                         f"{usable_cpu_count()} usable CPUs (-1 is all of them, -2 all but one); "
+                         "pass a count >= 1 or leave --threads out")  # fmt: skip
+
+
 def _write(args: argparse.Namespace, sources):
+    _check_threads(args.threads)
     if args.scheduler:
         try:
             from distributed import Client
@@ -195,6 +206,7 @@ def _add_gene_major(args: argparse.Namespace) -> int:
         def progress(blocks):
             return progress_of(blocks, desc="gene-major blocks", unit="block")
 
+    _check_threads(args.threads)
     record = add_gene_major(dataset, block_cells=args.block_cells, chunk_genes=args.chunk_genes,
                             n_threads=args.threads, progress=progress)  # fmt: skip
     if not args.quiet:
