@@ -104,7 +104,8 @@ class DeltacellsCSRDataset(CSRDataset):
         Fetch only the chunks a row selection needs, by ranged reads, instead of whole tiles.
     rows
         The stored rows this matrix shows, in order (int64; ``None``: every cell). Made by
-        :meth:`take_rows`: a box or a reordering read only those cells' tiles.
+        :meth:`~deltacells.DeltacellsCSRDataset.take_rows`: a box or a reordering read only
+        those cells' tiles.
     """
 
     format = "csr"
@@ -932,7 +933,8 @@ def read_deltacells(
         shape touches the box, borders included; ``"centroid"``: its centroid is in the
         box). The result holds those cells only, in stored (spatial) order: their obs, the
         elements' rows, and X and count layers as lazy matrices of those rows
-        (:meth:`DeltacellsCSRDataset.take_rows`) that decode only the tiles the cells are in.
+        (:meth:`~deltacells.DeltacellsCSRDataset.take_rows`) that decode only the tiles the
+        cells are in.
     row_order
         ``"stored"`` (default): cells in the order they are stored (shuffled or spatial
         datasets store them in another order than written); ``"source"``: in the order they
