@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import urllib.parse
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -134,15 +135,16 @@ def write_extras(
     gene_order: np.ndarray | None,
     cell_order: np.ndarray | None,
     options: dict,
+    write_dataset: Callable[..., Any],
 ) -> dict:
     """Write layers, raw and the other elements of ``source`` into ``store``; return what the
     manifest's ``metadata["anndata"]`` records of them.
 
     ``options`` are :func:`~deltacells.write_deltacells` settings shared by the nested
-    datasets (tile size, chunks, level, threads, shuffle and seed, storage options).
+    datasets (tile size, chunks, level, threads, shuffle and seed, storage options);
+    ``write_dataset`` writes one of them (:func:`~deltacells.write_deltacells`, handed down by
+    the writer so that this module does not import it back).
     """
-    from deltacells.writer import write_deltacells
-
     src = _Source(source)
     try:
         record: dict[str, Any] = {"layers": {}, "raw": None, "elements": []}
@@ -155,7 +157,7 @@ def write_extras(
                 record["layers"][name] = "."  # X itself
                 continue
             try:
-                write_deltacells(source, _child(store, layer_dir(name)), layer=name, var=False,
+                write_dataset(source, _child(store, layer_dir(name)), layer=name, var=False,
                                  gene_order=order, **nested)  # fmt: skip
                 record["layers"][name] = layer_dir(name)
             except (CountError, ValueError):
@@ -166,7 +168,7 @@ def write_extras(
                 record["raw"] = "."
             else:
                 try:
-                    write_deltacells(source, _child(store, RAW_DIR), use_raw=True,
+                    write_dataset(source, _child(store, RAW_DIR), use_raw=True,
                                      **nested)  # fmt: skip
                     record["raw"] = RAW_DIR
                 except (CountError, ValueError):

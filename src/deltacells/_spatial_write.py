@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from deltacells.format import FormatError
+from deltacells.npy import npy_bytes
 from deltacells.spatial import (
     BOX_ONLY,
     CENTROIDS_NAME,
@@ -43,18 +44,16 @@ class SpatialPlan:
 
     def files(self) -> dict[str, bytes]:
         """File name -> bytes of everything this plan stores."""
-        from deltacells.writer import _npy_bytes
-
-        out = {TILE_OFFSETS_NAME: _npy_bytes(self.tile_offsets),
-               CENTROIDS_NAME: _npy_bytes(self.centroids)}  # fmt: skip
+        out = {TILE_OFFSETS_NAME: npy_bytes(self.tile_offsets),
+               CENTROIDS_NAME: npy_bytes(self.centroids)}  # fmt: skip
         if self.records is not None:
-            out[SHAPES_NAME] = _npy_bytes(self.records)
+            out[SHAPES_NAME] = npy_bytes(self.records)
         if self.wkb is not None:
             lengths = np.fromiter((len(b) for b in self.wkb), dtype=np.int64, count=len(self.wkb))
             offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-            out[GEOMETRY_OFFSETS_NAME] = _npy_bytes(offsets)
+            out[GEOMETRY_OFFSETS_NAME] = npy_bytes(offsets)
             out[GEOMETRY_NAME] = b"".join(self.wkb)
-        out[GRID_SUMS_NAME] = _npy_bytes(grid_checksums(out, self.tile_offsets))
+        out[GRID_SUMS_NAME] = npy_bytes(grid_checksums(out, self.tile_offsets))
         return out
 
 

@@ -6,7 +6,6 @@ Opening reads ``manifest.json`` only; everything else is read when asked for.
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import threading
 from collections import OrderedDict
@@ -37,6 +36,7 @@ from deltacells.manifest import (
     obs_shard_name,
     tile_name,
 )
+from deltacells.npy import parse_npy_header
 from deltacells.storage import Store, open_store
 
 __all__ = [
@@ -701,29 +701,6 @@ class Dataset:
                 if k in ("block_cells", "chunk_genes", "n_blocks")} | {
                 "bytes": sum(m.metadata["gene_major"].get("block_bytes") or [])},
         }
-
-
-def parse_npy_header(data: bytes, where: str) -> tuple[tuple, bool, np.dtype, int]:
-    """Shape, Fortran order, dtype and data offset of the ``.npy`` file starting ``data``
-    (only its header need be there).
-
-    Raises
-    ------
-    FormatError
-        Naming ``where``, when ``data`` does not start with a version 1 or 2 ``.npy`` header.
-    """
-    stream = io.BytesIO(data)
-    try:
-        major, _ = np.lib.format.read_magic(stream)
-        if major == 1:
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
-        elif major == 2:
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
-        else:
-            raise ValueError(f".npy version {major} is not supported")
-    except (ValueError, EOFError, SyntaxError, TypeError, OverflowError) as err:
-        raise FormatError(f"{where}: not a .npy array ({err})") from None
-    return shape, fortran, dtype, stream.tell()
 
 
 #: Most bytes per gene a var table may have when no file table bounds it (older datasets).

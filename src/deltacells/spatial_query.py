@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from deltacells.dataset import parse_npy_header
 from deltacells.format import FormatError
+from deltacells.npy import parse_npy_header
 from deltacells.spatial import (
     CENTROIDS_NAME,
     GEOMETRY_NAME,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import os
 import re
 import tempfile
@@ -54,6 +53,7 @@ from deltacells.manifest import (
     StoredParts,
     tile_name,
 )
+from deltacells.npy import npy_bytes
 from deltacells.storage import Store, open_store
 
 __all__ = ["DEFAULT_TILE_SIZE", "OBS_INDEX_COLUMN", "write_deltacells"]
@@ -1223,13 +1223,13 @@ def _write_dataset(
     chunk_sums, sums_data = chunk_sums_record(TILE_SUMS_NAME, sum_rows, headers)
     store.write_atomic(TILE_SUMS_NAME, sums_data)  # its rows are tied by chunk_sums
     if plan.gene_order is not None:
-        put(GENE_ORDER_NAME, _npy_bytes(plan.gene_order.astype(np.int32)))
+        put(GENE_ORDER_NAME, npy_bytes(plan.gene_order.astype(np.int32)))
     if s.var:
         names_text = "".join(f"{name}\n" for name in plan.var_names)
         put(VAR_NAMES_NAME, names_text.encode("utf-8"))
         put(VAR_TABLE_NAME, _var_parquet(plan.var))
     if plan.cell_order is not None:
-        put(CELL_ORDER_NAME, _npy_bytes(plan.cell_order.astype(np.int64)))
+        put(CELL_ORDER_NAME, npy_bytes(plan.cell_order.astype(np.int64)))
     if plan.spatial is not None:
         for name, data in plan.spatial.files().items():
             put(name, data)
@@ -1249,7 +1249,7 @@ def _write_dataset(
                    "storage_options": s.storage_options}  # fmt: skip
         extras = write_extras(store, s.source, layer=s.layer, use_raw=s.use_raw,
                               gene_order=plan.gene_order, cell_order=plan.cell_order,
-                              options=options)  # fmt: skip
+                              options=options, write_dataset=write_deltacells)  # fmt: skip
         # Nested datasets are tied by their manifests; anndata's element files one by one.
         stored = StoredParts(dict(extras["layers"]), extras["raw"], tuple(extras["elements"]))
         for location in stored.matrices:
@@ -1366,13 +1366,6 @@ def _check_permutation(order: Any, n: int) -> np.ndarray:
             np.sort(array), np.arange(n)):  # fmt: skip
         raise ValueError(f"cell_order must be a permutation of 0..{n - 1} (integers)")
     return array.astype(np.int64)
-
-
-def _npy_bytes(array: np.ndarray) -> bytes:
-    """``array`` as the bytes of a ``.npy`` file."""
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return buffer.getvalue()
 
 
 def _warn_if_dropped(sources: list) -> None:
