@@ -138,6 +138,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path,
                         default=Path(tempfile.gettempdir()) / "dc-bench-scanpy")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "scanpy.json")
+    parser.add_argument("--docs-dir", type=Path, default=ROOT / "docs" / "_static",
+                        help="where the table and the plot go")  # fmt: skip
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -172,7 +174,7 @@ def main() -> None:
     results["same_as_memory"], results["pca_max_relative_difference"] = compare(raw)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
-    write_docs(results)
+    write_docs(results, args.docs_dir)
 
 
 def compare(raw: dict) -> tuple[dict, dict]:
@@ -193,7 +195,7 @@ def compare(raw: dict) -> tuple[dict, dict]:
     return same, differences
 
 
-def write_docs(results: dict) -> None:
+def write_docs(results: dict, docs_dir: Path = ROOT / "docs" / "_static") -> None:
     modes = results["modes"]
 
     def same(mode: str) -> str:
@@ -231,7 +233,8 @@ def write_docs(results: dict) -> None:
             whole.append(f"{sum(v['median_s'] for v in steps.values()):.1f} | "
                          f"{max(v['peak_rss_mb'] for v in steps.values()):,.0f}")  # fmt: skip
     lines.append("| **whole chain** | " + " | ".join(whole) + " |")
-    (ROOT / "docs" / "_static" / "bench_scanpy.md").write_text("\n".join(lines) + "\n")
+    docs_dir.mkdir(parents=True, exist_ok=True)
+    (docs_dir / "bench_scanpy.md").write_text("\n".join(lines) + "\n")
 
     fig, axes = page_figure(2)
     x = np.arange(len(STEPS))
@@ -251,7 +254,7 @@ def write_docs(results: dict) -> None:
         ax.set_xticks(x, STEPS, rotation=30, ha="right", fontsize=8)
         ax.set_ylim(top=ax.get_ylim()[1] * 1.45)  # room for the legend above the bars
     axes[0].legend(fontsize=8, loc="upper center")
-    save_figure(fig, ROOT / "docs" / "_static" / "bench_scanpy.png",
+    save_figure(fig, docs_dir / "bench_scanpy.png",
                 f"scanpy's chain on {results['cells']:,} cells", results)  # fmt: skip
 
 

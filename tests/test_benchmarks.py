@@ -57,3 +57,18 @@ def test_bench_remote_small(tmp_path):
         each = results["runs"][name]["epochs_cells_per_s"]
         assert len(each) == 2 and results["runs"][name]["cells_per_s"] == min(each)
     assert results["runs"]["random_4096_ranged_chunks_512_chunks"]["cells"] == 4096
+
+
+def test_bench_scanpy_small(tmp_path):
+    """The chain runs in each way of reading and agrees with memory (not timings)."""
+    pytest.importorskip("scanpy")
+    pytest.importorskip("dask_ml")
+    out = tmp_path / "scanpy.json"
+    run("bench_scanpy.py", "--cells", "3000", "--workdir", str(tmp_path / "work"), "--out",
+        str(out), "--docs-dir", str(tmp_path / "docs"))  # fmt: skip
+    results = json.loads(out.read_text())
+    assert results["same_as_memory"] == {"default": True, "dask": True}
+    for mode in ("memory", "default", "dask"):
+        assert results["modes"][mode]["failed"] is None
+        assert set(results["modes"][mode]["steps"]) >= {"read", "pca"}
+    assert (tmp_path / "docs" / "bench_scanpy.md").exists()
