@@ -17,6 +17,19 @@ DATA_DIR = TESTS.parent.parent / "shared" / "data"
 DATASETS = ("liao2020_balf", "chung2017_smartseq2", "visium_multisample")
 
 
+def spatial_counts(n_cells: int, n_genes: int, *, extent: float, max_count: int, seed: int,
+                   prefix: str = "c") -> ad.AnnData:  # fmt: skip
+    """Random int32 counts (30% nonzero, 1 to ``max_count - 1``) of cells named
+    ``<prefix><i>`` at uniform positions in ``[0, extent)^2`` (``obsm["spatial"]``)."""
+    rng = np.random.default_rng(seed)
+    X = sp.random(n_cells, n_genes, density=0.3, format="csr", random_state=seed,
+                  data_rvs=lambda k: rng.integers(1, max_count, k)).astype(np.int32)  # fmt: skip
+    adata = ad.AnnData(X=X)
+    adata.obs_names = [f"{prefix}{i}" for i in range(n_cells)]
+    adata.obsm["spatial"] = rng.uniform(0, extent, (n_cells, 2))
+    return adata
+
+
 def load_counts(name: str) -> sp.csr_matrix:
     """X of a real dataset as int32 CSR (fails loudly if ../shared/data is missing)."""
     path = DATA_DIR / f"{name}.h5ad"

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import scipy.sparse as sp
 import zarr
-from conftest import DATA_DIR
+from conftest import DATA_DIR, spatial_counts
 
 import deltacells as dc
 from deltacells.cli import main
@@ -250,12 +250,7 @@ def test_export_of_200000_cells_joins_in_spatialdata_and_bounds_row_groups(
     """Integer instance ids: spatialdata joins its table with the shapes on them (string ids
     made that join take minutes at this size). A fine grid shares row groups between tiles."""
     n = 200_000
-    rng = np.random.default_rng(11)
-    X = sp.random(n, 12, density=0.3, format="csr", random_state=11,
-                  data_rvs=lambda k: rng.integers(1, 50, k)).astype(np.int32)  # fmt: skip
-    adata = ad.AnnData(X=X)
-    adata.obs_names = [f"cell-{i}" for i in range(n)]
-    adata.obsm["spatial"] = rng.uniform(0, 5000, (n, 2))
+    adata = spatial_counts(n, 12, extent=5000, max_count=50, seed=11, prefix="cell-")
     root = tmp_path / "many.dc"
     dc.write_deltacells(adata, root, spatial_key="spatial", grid_tile_size=10, progress=False)
     index = dc.open_dataset(root).spatial_index()

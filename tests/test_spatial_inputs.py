@@ -3,10 +3,9 @@ nothing behind; valid extremes give the right result."""
 
 from __future__ import annotations
 
-import anndata as ad
 import numpy as np
 import pytest
-import scipy.sparse as sp
+from conftest import spatial_counts
 
 import deltacells as dc
 from deltacells.export import to_spatialdata
@@ -19,12 +18,7 @@ N = 60
 
 @pytest.fixture(scope="module")
 def cells():
-    rng = np.random.default_rng(3)
-    X = sp.random(N, 15, density=0.3, format="csr", random_state=3,
-                  data_rvs=lambda k: rng.integers(1, 9, k)).astype(np.int32)  # fmt: skip
-    adata = ad.AnnData(X=X)
-    adata.obs_names = [f"c{i}" for i in range(N)]
-    adata.obsm["spatial"] = rng.uniform(0, 100, (N, 2))
+    adata = spatial_counts(N, 15, extent=100, max_count=9, seed=3)
     boxes = [shapely.box(x, y, x + 1, y + 1) for x, y in adata.obsm["spatial"]]
     return adata, boxes
 

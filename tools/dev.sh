@@ -45,24 +45,32 @@ ensure_system_libraries() {
   fi
 }
 
-ensure_environment() {
-  ensure_system_libraries
-  if [ ! -x "$VENV/bin/python" ]; then
-    "$PYTHON" -m venv "$VENV"
+# Make the virtualenv $1 with interpreter $2 and install the package into it with the pip
+# arguments that follow, unless it already holds this build (the stamp: build files and
+# libdeflate's presence, which change what gets compiled).
+install_environment() {
+  local venv="$1" python="$2"
+  shift 2
+  if [ ! -x "$venv/bin/python" ]; then
+    "$python" -m venv "$venv"
   fi
-  local stamp="$VENV/.deltacells-installed"
+  local stamp="$venv/.deltacells-installed"
   local wanted
-  # Rebuild when the build files change or libdeflate appears or goes.
   wanted="$({ cat pyproject.toml meson.build src/deltacells/meson.build
               pkg-config --modversion libdeflate 2>/dev/null || true; } | sha256sum | cut -d' ' -f1)"
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ] \
-     || ! "$VENV/bin/python" -c "import deltacells" >/dev/null 2>&1; then
-    "$VENV/bin/python" -m pip install -q --upgrade pip
+     || ! "$venv/bin/python" -c "import deltacells" >/dev/null 2>&1; then
+    "$venv/bin/python" -m pip install -q --upgrade pip
     # Build requirements first: the editable install uses this environment, not an isolated one.
-    "$VENV/bin/python" -m pip install -q "meson-python>=0.15" "meson>=1.1" ninja "cython>=3.0.8" numpy
-    "$VENV/bin/python" -m pip install -q --no-build-isolation -e ".[dev]"
+    "$venv/bin/python" -m pip install -q "meson-python>=0.15" "meson>=1.1" ninja "cython>=3.0.8" numpy
+    "$venv/bin/python" -m pip install -q --no-build-isolation "$@"
     echo "$wanted" > "$stamp"
   fi
+}
+
+ensure_environment() {
+  ensure_system_libraries
+  install_environment "$VENV" "$PYTHON" -e ".[dev]"
 }
 
 # The second stack users have: Python 3.12 (or 3.13) with the newest anndata, pandas, zarr and
@@ -84,26 +92,14 @@ find_new_python() {
 
 ensure_new_stack() {
   ensure_system_libraries
-  local python stamp wanted
+  local python
   if ! python="$(find_new_python)"; then
     echo "deltacells: the second test stack needs Python 3.12 or 3.13 (none found); install" \
          "one (e.g. pyenv install 3.12) or run only the first stack: bash tools/dev.sh test311" >&2
     exit 1
   fi
-  if [ ! -x "$NEW_VENV/bin/python" ]; then
-    "$python" -m venv "$NEW_VENV"
-  fi
-  stamp="$NEW_VENV/.deltacells-installed"
-  wanted="$({ cat pyproject.toml meson.build src/deltacells/meson.build
-              pkg-config --modversion libdeflate 2>/dev/null || true; } | sha256sum | cut -d' ' -f1)"
-  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ] \
-     || ! "$NEW_VENV/bin/python" -c "import deltacells" >/dev/null 2>&1; then
-    "$NEW_VENV/bin/python" -m pip install -q --upgrade pip
-    "$NEW_VENV/bin/python" -m pip install -q "meson-python>=0.15" "meson>=1.1" ninja "cython>=3.0.8" numpy
-    "$NEW_VENV/bin/python" -m pip install -q --upgrade --no-build-isolation \
-      -e ".[test,bench,docs,dask,scanpy,spatial,obstore,wheel]" scanpy anndata pandas zarr
-    echo "$wanted" > "$stamp"
-  fi
+  install_environment "$NEW_VENV" "$python" --upgrade \
+    -e ".[test,bench,docs,dask,scanpy,spatial,obstore,wheel]" scanpy anndata pandas zarr
 }
 
 stack_versions() {

@@ -207,11 +207,14 @@ class DeltacellsCSRDataset(CSRDataset):
         """The lazy matrix of rows ``positions`` of this one (an index as ``X[...]`` takes):
         nothing is read until it is sliced or computed, and then only those cells' tiles."""
         positions, _ = _normalize_rows(positions, self.shape[0])
-        stored = positions if self._rows is None else self._rows[positions]
+        return self._showing(positions if self._rows is None else self._rows[positions])
+
+    def _showing(self, rows: np.ndarray | None) -> DeltacellsCSRDataset:
+        """This matrix's dataset and options, showing stored ``rows`` (None: every cell)."""
         return DeltacellsCSRDataset(self.dataset, column_order=self.column_order,
                                     values_dtype=self.dtype, n_threads=self.n_threads,
                                     tile_cache_bytes=self.tile_cache_bytes,
-                                    ranged_reads=self.ranged_reads, rows=stored)  # fmt: skip
+                                    ranged_reads=self.ranged_reads, rows=rows)  # fmt: skip
 
     # -- blocks: the tiles, or runs of a row selection -----------------------------------------
 
@@ -469,10 +472,7 @@ class DeltacellsCSRDataset(CSRDataset):
     def copy(self) -> DeltacellsCSRDataset:
         """A lazy copy (``AnnData.copy()`` keeps X lazy): the stored data never changes, so
         the copy shares the opened dataset and starts with an empty tile cache."""
-        return DeltacellsCSRDataset(self.dataset, column_order=self.column_order,
-                                    values_dtype=self.dtype, n_threads=self.n_threads,
-                                    tile_cache_bytes=self.tile_cache_bytes,
-                                    ranged_reads=self.ranged_reads, rows=self._rows)  # fmt: skip
+        return self._showing(self._rows)
 
     def _tile_reduce(self, per_tile: Callable[[sp.csr_matrix], np.ndarray]) -> list:
         return [per_tile(self.block_matrix(b)) for b in range(self.n_blocks)]
@@ -760,6 +760,12 @@ _register_with_anndata()
 OutOfCoreAnnData.lazy_matrix_type = DeltacellsCSRDataset
 
 
+def _axis_sum_lazy(x: Any, /, *, axis: Any = None, dtype: DTypeLike = None) -> Any:
+    # 1-D like scanpy's dask version (its callers square the result: no np.matrix here).
+    total = x.sum(axis=axis, dtype=dtype)
+    return total if axis is None else np.asarray(total).ravel()
+
+
 def _register_with_fast_array_utils() -> None:
     """scanpy 1.12 computes its statistics with fast_array_utils, which dispatches on the
     array type and raises a bare ``NotImplementedError`` for types it does not know: sums of
@@ -774,8 +780,7 @@ def _register_with_fast_array_utils() -> None:
     def _generic_op_lazy(x: DeltacellsCSRDataset, /, op: str, *, axis: Any = None,
                          dtype: Any = None, keep_cupy_as_array: bool = False) -> Any:  # fmt: skip
         if op == "sum":
-            total = x.sum(axis=axis, dtype=dtype)
-            return total if axis is None else np.asarray(total).ravel()
+            return _axis_sum_lazy(x, axis=axis, dtype=dtype)
         raise TypeError(_LAZY_ADVICE.format(what=f"the {op} of X"))
 
 
@@ -835,12 +840,6 @@ def _register_with_scanpy() -> None:
     _register_tile_statistics()
     join_dispatchers(DeltacellsCSRDataset, DeltacellsCSRDataset.to_dask)
     join_dispatchers(TileMapped, TileMapped.to_dask)
-
-
-def _axis_sum_lazy(x: Any, /, *, axis: Any = None, dtype: DTypeLike = None) -> Any:
-    # 1-D like scanpy's dask version (its callers square the result: no np.matrix here).
-    total = x.sum(axis=axis, dtype=dtype)
-    return total if axis is None else np.asarray(total).ravel()
 
 
 def _register_tile_statistics() -> None:
