@@ -21,7 +21,7 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    from deltacells import _kernels
+    from deltacells.codec import _checksum, _decode, _encode
 
     versions = {}
     for name in PACKAGES:
@@ -35,9 +35,9 @@ def machine() -> dict:
         "usable_cpus": len(os.sched_getaffinity(0)),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "libzstd": _kernels.zstd_version(),
-        "openmp": _kernels.openmp_enabled(),
-        "crc": _kernels.crc_backend(),
+        "libzstd": _encode.zstd_version(),
+        "openmp": _decode.openmp_enabled(),
+        "crc": _checksum.crc_backend(),
         "packages": versions,
     }
 

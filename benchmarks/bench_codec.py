@@ -25,8 +25,8 @@ import zstandard
 from _common import machine, median_time, page_figure, save_figure
 
 import deltacells as dc
-from deltacells import _kernels
-from deltacells.codec import DEFAULT_LEVEL
+from deltacells.codec import _checksum, _decode
+from deltacells.codec.tile import DEFAULT_LEVEL
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
@@ -116,7 +116,7 @@ def decode_speeds(blobs: list[bytes], repeats: int, rounds: int) -> dict:
     for n in (1, 2):
         variants |= {
             f"zstd_only_{n}t": lambda n=n: [
-                _kernels.decompress_only(t._buf, t.layout.chunks, n) for t in tiles
+                _decode.decompress_only(t._buf, t.layout.chunks, n) for t in tiles
             ],
             f"decode_fresh_{n}t": lambda n=n: [t.decode(np.float32, n_threads=n) for t in tiles],
             f"decode_reused_{n}t": lambda n=n: [
@@ -126,7 +126,7 @@ def decode_speeds(blobs: list[bytes], repeats: int, rounds: int) -> dict:
             f"decode_tile_nocrc_{n}t": lambda n=n: [
                 dc.decode_tile(b, n_threads=n, verify_crc=False) for b in blobs
             ],
-            f"crc_only_{n}t": lambda n=n: [_kernels.crc32_range(t._buf, 64, n) for t in tiles],
+            f"crc_only_{n}t": lambda n=n: [_checksum.crc32_range(t._buf, 64, n) for t in tiles],
         }
     per_round = [interleaved_times(variants, repeats) for _ in range(rounds)]
     pooled = {name: statistics.median(t for r in per_round for t in r[name]) for name in variants}

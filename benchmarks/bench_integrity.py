@@ -31,7 +31,7 @@ import scipy.sparse as sp
 from _common import machine, page_figure, save_figure
 
 import deltacells as dc
-from deltacells import ranged
+from deltacells.store import ranged
 from deltacells.testing import repeat_tiles
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,14 +54,14 @@ def checks_off():
     fake = {"bytes": 0, "sha256": "0" * 64}
     with contextlib.ExitStack() as stack:
         for target, value in (
-            ("deltacells.manifest.check_seal", lambda *a: None),
-            ("deltacells.integrity.FileTable.check", lambda *a, **k: None),
-            ("deltacells.ranged.RangedTile.__init__", unchecked_init),
-            ("deltacells.spatial_query._GridSums.check", lambda *a, **k: None),
-            ("deltacells.spatial_query._GridSums.check_header", lambda *a, **k: None),
-            ("deltacells.writer.tile_checksum_row", lambda blob: np.zeros(2, np.uint32)),
-            ("deltacells.writer.file_record", lambda data: dict(fake, bytes=len(data))),
-            ("deltacells.genemajor.tile_checksum_row", lambda blob: np.zeros(2, np.uint32)),
+            ("deltacells.store.manifest.check_seal", lambda *a: None),
+            ("deltacells.store.integrity.FileTable.check", lambda *a, **k: None),
+            ("deltacells.store.ranged.RangedTile.__init__", unchecked_init),
+            ("deltacells.spatial.query._GridSums.check", lambda *a, **k: None),
+            ("deltacells.spatial.query._GridSums.check_header", lambda *a, **k: None),
+            ("deltacells.write.writer.tile_checksum_row", lambda blob: np.zeros(2, np.uint32)),
+            ("deltacells.write.writer.file_record", lambda data: dict(fake, bytes=len(data))),
+            ("deltacells.spatial.genemajor.tile_checksum_row", lambda blob: np.zeros(2, np.uint32)),
         ):
             stack.enter_context(mock.patch(target, value))
         yield

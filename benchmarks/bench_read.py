@@ -25,7 +25,7 @@ import zarr
 from _common import MotoS3, machine, median_time, page_figure, save_figure, stacked_adata
 
 import deltacells as dc
-from deltacells.obscache import ObsCache
+from deltacells.read.obscache import ObsCache
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
@@ -124,9 +124,9 @@ def zstd_floor(path: Path, n_cells: int, repeats: int) -> dict:
     decompress (all of them for ``to_memory``; the chunks holding the random cells for the
     random read), by the kernels' libzstd on the default threads, tiles already in memory and
     validated, with no file reads, checks or decoding after zstd."""
-    from deltacells import _kernels
-    from deltacells._parallel import effective_n_threads
-    from deltacells.dataset import group_by_tile
+    from deltacells.codec import _decode
+    from deltacells.codec.threads import effective_n_threads
+    from deltacells.read.dataset import group_by_tile
 
     dataset = dc.open_dataset(path)
     tiles = [dataset.tile(i) for i in range(dataset.manifest.n_tiles)]
@@ -140,7 +140,7 @@ def zstd_floor(path: Path, n_cells: int, repeats: int) -> dict:
 
     def decompress(tables):
         for tile, table in zip(tiles, tables, strict=True):
-            _kernels.decompress_only(tile._buf, table, threads)
+            _decode.decompress_only(tile._buf, table, threads)
 
     return {
         "to_memory_s": median_time(

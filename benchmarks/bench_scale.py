@@ -73,7 +73,7 @@ def traced_peak_mb(fn) -> float:
 
 def count_reads():
     """Patch the store to count the bytes and calls of every read (the child only)."""
-    from deltacells.storage import Store
+    from deltacells.store.storage import Store
 
     counts = {"bytes": 0, "reads": 0}
     depth = threading.local()
@@ -101,7 +101,7 @@ def count_reads():
 def child(path: str, repeats: int) -> dict:
     """Every measurement of one dataset, in this fresh process."""
     import deltacells as dc
-    from deltacells.backed import DeltacellsCSRDataset
+    from deltacells.read.lazy_matrix import DeltacellsCSRDataset
 
     counts = count_reads()
     out: dict = {"manifest_bytes": (Path(path) / "manifest.json").stat().st_size}

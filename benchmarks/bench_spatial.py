@@ -40,7 +40,7 @@ import scipy.sparse as sp
 from _common import machine, median_time, page_figure, save_figure
 
 import deltacells as dc
-from deltacells.storage import Store
+from deltacells.store.storage import Store
 from deltacells.testing import side_python
 
 ROOT = Path(__file__).resolve().parent.parent

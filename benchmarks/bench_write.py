@@ -141,7 +141,7 @@ def main() -> None:
     if args.plot_only:
         plot(json.loads(args.json.read_text()), args.plot)
         return
-    from deltacells.codec import DEFAULT_LEVEL
+    from deltacells.codec.tile import DEFAULT_LEVEL
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dc-bench-write-"))
     workdir.mkdir(parents=True, exist_ok=True)

@@ -172,7 +172,7 @@ def test_reads_in_a_forked_child_after_the_parent_read(pair):
 
 def test_ranged_reads_equal_whole_tile_reads(tmp_path, monkeypatch):
     """ranged_reads=True fetches only the chunks holding the rows: same matrix, fewer bytes."""
-    from deltacells.storage import Store
+    from deltacells.store.storage import Store
 
     adata = small_adata(n_cells=2000, n_genes=150, seed=3)
     root = tmp_path / "d"

@@ -189,7 +189,7 @@ BAD_CONVERTS = [
 
 
 def _usable_cpus() -> int:
-    from deltacells._parallel import usable_cpu_count
+    from deltacells.codec.threads import usable_cpu_count
 
     return usable_cpu_count()
 

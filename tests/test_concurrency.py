@@ -19,8 +19,8 @@ from conftest import TESTS
 from test_writer import small_adata
 
 import deltacells as dc
-from deltacells.dataset import arrow_reader
-from deltacells.obscache import ObsCache
+from deltacells.read.dataset import arrow_reader
+from deltacells.read.obscache import ObsCache
 
 
 @pytest.fixture(scope="module")

@@ -68,7 +68,7 @@ def test_unpickling_reopens_once_per_process_and_notices_a_rewrite(tmp_path, mon
 
     from test_writer import small_adata
 
-    import deltacells.dataset as dataset_module
+    import deltacells.read.dataset as dataset_module
 
     root = tmp_path / "d"
     dc.write_deltacells(small_adata(n_cells=300), root, tile_size=100, progress=False)

@@ -11,7 +11,7 @@ import scipy.sparse as sp
 from test_writer import small_adata
 
 import deltacells as dc
-from deltacells.manifest import Manifest
+from deltacells.store.manifest import Manifest
 from deltacells.testing import reseal
 
 
@@ -67,7 +67,7 @@ def test_tile_size_must_match_manifest(dataset_dir):
 def test_oversized_files_are_refused_before_allocating(dataset_dir, monkeypatch):
     # A tile or obs shard claiming 64 GiB (a sparse file) must fail on its size, before any
     # buffer that large is asked for.
-    import deltacells.storage as storage
+    import deltacells.store.storage as storage
 
     real_allocate = storage.pa.allocate_buffer
 
@@ -139,7 +139,7 @@ def test_manifest_round_trip():
 
 
 def test_opening_reads_only_the_manifest(dataset_dir, monkeypatch):
-    from deltacells.storage import Store
+    from deltacells.store.storage import Store
 
     read = []
     original = Store.read_bytes

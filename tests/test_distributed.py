@@ -48,7 +48,7 @@ def same_files(a: Path, b: Path) -> None:
 def test_files_on_a_cluster_are_byte_identical(client, inputs, tmp_path, shuffle, monkeypatch):
     """Same bytes as one process; the plan every worker receives holds no per-cell array
     (each task gets its own tiles' rows of a shuffled write instead)."""
-    from deltacells import writer
+    from deltacells.write import plan
 
     options = {"tile_size": 250, "join": "same", "shuffle": shuffle, "progress": False}
     dc.write_deltacells(inputs, tmp_path / "here", **options)
@@ -58,7 +58,7 @@ def test_files_on_a_cluster_are_byte_identical(client, inputs, tmp_path, shuffle
                                                                scatter(data, **kw))[1])
     dc.write_deltacells(inputs, tmp_path / "cluster", client=client, **options)
     same_files(tmp_path / "here", tmp_path / "cluster")
-    plans = [d for d in scattered if isinstance(d, writer._Plan)]
+    plans = [d for d in scattered if isinstance(d, plan._Plan)]
     assert len(plans) == 1 and plans[0].cell_order is None and len(plans[0].var) == 0
     assert dc.open_dataset(tmp_path / "cluster").manifest.n_tiles == 10
     dc.open_dataset(tmp_path / "cluster").verify()
@@ -71,9 +71,9 @@ def test_pass_one_runs_as_tasks_on_the_cluster(client, inputs, tmp_path, monkeyp
     found by the tasks)."""
     from conftest import DATA_DIR
 
-    from deltacells import writer
+    from deltacells.write import plan
 
-    monkeypatch.setattr(writer, "CHECK_BLOCKS_PER_TASK", 1)
+    monkeypatch.setattr(plan, "CHECK_BLOCKS_PER_TASK", 1)
     for name, sources in (("atlas", inputs), ("chung", [DATA_DIR / "chung2017_smartseq2.h5ad"])):
         options = {"tile_size": 250 if name == "atlas" else None, "progress": False}
         dc.write_deltacells(sources, tmp_path / f"{name}-here", **options)
@@ -178,7 +178,7 @@ def test_scanpy_dask_pipeline_from_s3_on_a_cluster(client, tmp_path, monkeypatch
         np.testing.assert_allclose(np.abs(pca_cluster), np.abs(pca_threads), rtol=1e-4,
                                    atol=1e-5)  # fmt: skip
         # the workers ran the tile tasks: each opened the dataset at most once
-        opened = client.run(lambda: len(__import__("deltacells.dataset")
+        opened = client.run(lambda: len(__import__("deltacells.read.dataset")
                                         .dataset._REOPENED))  # fmt: skip
         assert sum(opened.values()) >= 1 and all(v <= 1 for v in opened.values())
     finally:

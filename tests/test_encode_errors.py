@@ -7,7 +7,7 @@ import pytest
 import scipy.sparse as sp
 
 import deltacells as dc
-from deltacells._parallel import effective_n_threads
+from deltacells.codec.threads import effective_n_threads
 
 
 def matrix_with(value, dtype=np.float64):

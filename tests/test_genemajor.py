@@ -14,7 +14,7 @@ from test_writer import small_adata
 
 import deltacells as dc
 from deltacells.cli import main
-from deltacells.genemajor import add_gene_major, block_name
+from deltacells.spatial.genemajor import add_gene_major, block_name
 from deltacells.testing import reseal
 
 LIAO = DATA_DIR / "liao2020_balf.h5ad"
@@ -239,7 +239,7 @@ def test_ranged_reads_of_damaged_blocks_raise_only_format_errors(small):
 
 
 def test_default_block_size_follows_the_nonzeros_per_cell(tmp_path, monkeypatch):
-    import deltacells.genemajor as genemajor
+    import deltacells.spatial.genemajor as genemajor
 
     adata = small_adata(n_cells=3000, n_genes=100, seed=2)  # about 10 nonzeros per cell
     root = tmp_path / "d"

@@ -20,9 +20,9 @@ from test_writer import small_adata
 
 import deltacells as dc
 from deltacells.cli import main
-from deltacells.format import LimitError, get_limits, set_limits
-from deltacells.manifest import obs_fingerprint
-from deltacells.obscache import ObsCache
+from deltacells.codec.format import LimitError, get_limits, set_limits
+from deltacells.read.obscache import ObsCache
+from deltacells.store.manifest import obs_fingerprint
 from deltacells.testing import reseal
 
 
@@ -252,7 +252,7 @@ def test_one_bit_flips_in_cached_columns_never_crash_or_lie(dataset_dir, tmp_pat
     script = textwrap.dedent(f"""
         import numpy as np
         import deltacells as dc
-        from deltacells.obscache import ObsCache
+        from deltacells.read.obscache import ObsCache
         dataset = dc.open_dataset({str(dataset_dir)!r})
         cache_dir = {str(tmp_path / "cache")!r}
         columns = ["_index", "n_counts", "cell_type"]
@@ -343,7 +343,7 @@ def test_to_memory_checks_tile_sizes_before_allocating(dataset_dir):
 
 
 def test_cli_errors_never_print_tracebacks(dataset_dir, capsys, monkeypatch):
-    from deltacells import dataset as dataset_module
+    from deltacells.read import dataset as dataset_module
 
     def explode(self, progress=None):
         raise RuntimeError("something unforeseen")

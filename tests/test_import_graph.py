@@ -1,35 +1,72 @@
-"""No import cycles among the package's modules, deferred imports (inside functions)
-included: data flows one way, from the codec up to the user-facing functions."""
+"""The package's layout rules, read from its source: data flows one way (codec -> store ->
+spatial -> read -> write -> train -> front doors), no import cycles (deferred imports inside
+functions included), no module above the size limits, and docs/architecture.md showing the
+layer diagram and every module as they are."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "src" / "deltacells"
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "src" / "deltacells"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+#: Layers from the bottom up: a module may import its own layer and the ones below.
+LAYERS = ("codec", "store", "spatial", "read", "write", "train", "front doors")
+MAX_PY_LINES = 800
+MAX_PYX_LINES = 900
+
+
+def module_name(path: Path) -> str:
+    """``deltacells.read.dataset`` for src/deltacells/read/dataset.py (packages by their
+    ``__init__``)."""
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {
+        module_name(p): p
+        for p in sorted(PACKAGE.rglob("*"))
+        if p.suffix in (".py", ".pyx") and "__pycache__" not in p.parts
+    }
+
+
+def layer_of(module: str) -> str:
+    """The layer of a module: its subpackage, or "front doors" for the top-level modules."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else (
+        "front doors")  # fmt: skip
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules that ``path`` imports, at any depth of its code (deferred
+    imports too). ``from deltacells.codec import _decode`` counts as the module ``_decode``
+    only: a package's ``__init__`` runs before any of its modules, whoever imports them."""
+    found: set[str] = set()
+    if path.suffix == ".pyx":
+        text = path.read_text()
+        found |= set(re.findall(r"^\s*(?:from|cimport|import)\s+(deltacells[\w.]*)", text, re.M))
+    else:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                submodules = {f"{node.module}.{a.name}" for a in node.names}
+                found |= submodules & modules
+                if not submodules <= modules:  # names of the module itself, not submodules
+                    found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+    me = module_name(path)
+    return {m for m in found if m in modules and m != me}
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module name -> the package's modules it imports, at any depth of its code."""
-    modules = {p.stem for p in PACKAGE.glob("*.py")} | {p.stem for p in PACKAGE.glob("*.pyx")}
-    graph: dict[str, set[str]] = {}
-    for path in PACKAGE.glob("*.py"):
-        found: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                parts = node.module.split(".")
-                if parts[0] == "deltacells" and len(parts) > 1:
-                    found.add(parts[1])
-                elif parts[0] == "deltacells":  # from deltacells import _kernels, ...
-                    found |= {alias.name for alias in node.names if alias.name in modules}
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    parts = alias.name.split(".")
-                    if parts[0] == "deltacells" and len(parts) > 1:
-                        found.add(parts[1])
-        found.discard(path.stem)
-        graph[path.stem] = found & modules
-    return graph
+    modules = all_modules()
+    return {name: imports_of(path, set(modules)) for name, path in modules.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -53,12 +90,115 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_check_finds_a_cycle():
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that go up the layers (a lower layer importing a higher one)."""
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    return sorted(
+        f"{a} ({layer_of(a)}) imports {b} ({layer_of(b)})"
+        for a, targets in graph.items()
+        for b in targets
+        if rank[layer_of(b)] > rank[layer_of(a)]
+    )
+
+
+def layer_diagram(graph: dict[str, set[str]]) -> str:
+    """One line per layer, top down: the layers its modules import."""
+    uses: dict[str, set[str]] = {layer: set() for layer in LAYERS}
+    for a, targets in graph.items():
+        uses[layer_of(a)] |= {layer_of(b) for b in targets} - {layer_of(a)}
+    width = max(map(len, LAYERS))
+    lines = []
+    for layer in reversed(LAYERS):
+        below = [x for x in reversed(LAYERS) if x in uses[layer]]
+        lines.append(f"{layer:<{width}} -> {', '.join(below) if below else '(nothing)'}")
+    return "\n".join(lines)
+
+
+def documented_block() -> str:
+    text = ARCHITECTURE.read_text()
+    block = r"<!-- layers:start -->\n```text\n(.*?)\n```\n<!-- layers:end -->"
+    match = re.search(block, text, re.S)
+    assert match, "docs/architecture.md lost its generated layer block"
+    return match.group(1)
+
+
+def test_the_checks_find_what_they_look_for():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+    assert upward_imports({"deltacells.codec.tile": {"deltacells.read.dataset"}}) == [
+        "deltacells.codec.tile (codec) imports deltacells.read.dataset (read)"
+    ]
+    assert layer_of("deltacells.cli") == "front doors"
+    assert layer_of("deltacells.codec") == "codec"
+    assert layer_of("deltacells.store.manifest") == "store"
+
+
+def test_the_graph_is_really_read():
+    graph = import_graph()
+    assert "deltacells.codec.tile" in graph["deltacells.write.writer"]
+    assert "deltacells.codec._status" in graph["deltacells.codec._decode"]  # a .pyx import
+    # deferred: the writer opens the finished dataset inside a function
+    assert "deltacells.read.dataset" in graph["deltacells.write.writer"]
 
 
 def test_no_import_cycles_deferred_ones_included():
-    graph = import_graph()
-    assert "writer" in graph and "codec" in graph["writer"]  # the graph is really read
-    assert cycles({k: v - {"__init__"} for k, v in graph.items()}) == []
+    assert cycles(import_graph()) == []
+
+
+def test_data_flows_one_way_up_the_layers():
+    assert upward_imports(import_graph()) == []
+
+
+def test_no_module_above_the_size_limits():
+    too_big = []
+    for name, path in all_modules().items():
+        limit = MAX_PYX_LINES if path.suffix == ".pyx" else MAX_PY_LINES
+        lines = len(path.read_text().splitlines())
+        if lines > limit:
+            too_big.append(f"{name}: {lines} lines (limit {limit})")
+    assert too_big == []
+
+
+def test_every_subpackage_says_what_it_owns():
+    for init in PACKAGE.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc, f"{init} has no docstring"
+
+
+def test_architecture_page_shows_the_layers_as_they_are():
+    expected = layer_diagram(import_graph())
+    assert documented_block() == expected, (
+        "docs/architecture.md's layer block is out of date; it should read:\n" + expected)
+
+
+def test_architecture_page_names_every_module():
+    text = ARCHITECTURE.read_text()
+    missing = []
+    for name, path in all_modules().items():
+        shown = str(path.relative_to(PACKAGE)).removesuffix("/__init__.py")
+        if name != "deltacells" and f"`{shown}`" not in text:
+            missing.append(shown)
+    assert missing == [], f"docs/architecture.md does not name {missing}"
+
+
+def test_paths_before_the_layout_still_import():
+    import importlib
+
+    import deltacells
+    from deltacells import _moved
+
+    for old, targets in _moved.MOVED.items():
+        module = importlib.import_module(f"deltacells.{old}")
+        assert getattr(deltacells, old) is module
+        for target in targets:
+            new = importlib.import_module(target)
+            for name in getattr(new, "__all__", []):
+                assert getattr(module, name) is getattr(new, name), f"deltacells.{old}.{name}"
+    import deltacells.backed
+    import deltacells.storage
+
+    assert deltacells.storage.Store is deltacells.store.storage.Store
+    new_home = deltacells.read.lazy_matrix
+    assert deltacells.backed.written_values_dtype is new_home.written_values_dtype
+    assert deltacells.spatial.SpatialIndex is deltacells.spatial.grid.SpatialIndex
+    assert deltacells.codec.exception_limit is deltacells.codec.tile.exception_limit

@@ -19,7 +19,7 @@ from test_tamper import everything
 
 import deltacells as dc
 from deltacells.cli import main
-from deltacells.integrity import sealed_json
+from deltacells.store.integrity import sealed_json
 from deltacells.testing import reseal
 
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from test_writer import small_adata
 
 import deltacells as dc
-from deltacells import _kernels
-from deltacells.loader import BatchRuns, EpochPlan, plan_epoch
+from deltacells.codec import _rows
+from deltacells.train.loader import BatchRuns, EpochPlan, plan_epoch
 
 MODES = ("tiles", "cells", "none")
 
@@ -268,31 +268,31 @@ def test_take_rows_kernel_checks_its_output_rows():
     rows = np.array([3, 1], dtype=np.int64)
     out_indptr = np.array([0, 1, 2], dtype=np.int64)  # wrong lengths
     with pytest.raises(ValueError, match="length"):
-        _kernels.take_rows_into(indptr, matrix.indices, matrix.data, rows,
+        _rows.take_rows_into(indptr, matrix.indices, matrix.data, rows,
                                 np.arange(2, dtype=np.int64), out_indptr,
                                 np.empty(2, np.int32), np.empty(2, np.float32))  # fmt: skip
     col_map = np.arange(20, dtype=np.int64)
     col_map[::2] = -1
-    kept = _kernels.kept_per_row(indptr, matrix.indices, col_map, 2)
+    kept = _rows.kept_per_row(indptr, matrix.indices, col_map, 2)
     np.testing.assert_array_equal(kept, [np.sum(matrix[r].indices % 2) for r in range(10)])
     with pytest.raises(ValueError, match="outside col_map"):
-        _kernels.kept_per_row(indptr, matrix.indices, col_map[:5], 2)
+        _rows.kept_per_row(indptr, matrix.indices, col_map[:5], 2)
     lengths = kept[rows]
     good = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     out = np.empty(int(good[-1]) + 1, np.int32), np.empty(int(good[-1]) + 1, np.float32)
     both = np.arange(2, dtype=np.int64)
-    _kernels.take_rows_into(indptr, matrix.indices, matrix.data, rows, both, good, *out,
+    _rows.take_rows_into(indptr, matrix.indices, matrix.data, rows, both, good, *out,
                             col_map, 2, False)  # fmt: skip
     assert np.all(out[0][: good[-1]] % 2 == 1)
     short = good.copy()
     short[1:] -= 1  # one entry too few for row 3
     with pytest.raises(ValueError, match="wrong length"):
-        _kernels.take_rows_into(indptr, matrix.indices, matrix.data, rows, both, short, *out,
+        _rows.take_rows_into(indptr, matrix.indices, matrix.data, rows, both, short, *out,
                                 col_map, 2, False)  # fmt: skip
 
 
 def test_decoded_tiles_are_dropped_after_their_last_batch(pair, monkeypatch):
-    from deltacells import loader as loader_module
+    from deltacells.train import loader as loader_module
 
     url, _ = pair
     held = []
@@ -348,7 +348,7 @@ def test_a_damaged_tile_raises_in_the_consumer_and_stopping_early_ends_the_threa
 def test_epoch_split_covers_every_cell_as_documented(
     tile_cells, batch_size, world_size, n_workers, mode, buffer_tiles, drop_last
 ):
-    from deltacells.loader import split_batches
+    from deltacells.train.loader import split_batches
 
     order = plan_epoch(tile_cells, shuffle=mode, buffer_tiles=buffer_tiles, seed=5, epoch=2)
     n = sum(tile_cells)
@@ -389,7 +389,7 @@ def test_epoch_split_covers_every_cell_as_documented(
 def test_tiles_fetched_ahead_give_the_same_batches(pair, shuffle, monkeypatch):
     """prefetch_tiles only changes when tiles are read: the same batches, and the fetches
     come from the look-ahead (every tile once)."""
-    from deltacells.storage import Store
+    from deltacells.store.storage import Store
 
     root = pair[0]
     plain = dc.Loader(root, batch_size=100, shuffle=shuffle, seed=3, prefetch_tiles=0)

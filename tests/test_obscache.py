@@ -11,7 +11,7 @@ import pytest
 from test_writer import small_adata
 
 import deltacells as dc
-from deltacells.obscache import ObsCache, cache_root
+from deltacells.read.obscache import ObsCache, cache_root
 
 
 @pytest.fixture(scope="module")

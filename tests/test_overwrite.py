@@ -16,8 +16,8 @@ import scipy.sparse as sp
 from test_writer import assert_same_matrix, fail_third_tile, read_back, small_adata
 
 import deltacells as dc
-from deltacells import writer as writer_module
-from deltacells.storage import Store
+from deltacells.store.storage import Store
+from deltacells.write import writer as writer_module
 
 
 def snapshot(root) -> dict[str, bytes]:
@@ -114,14 +114,14 @@ def test_killed_overwrite_leaves_the_old_dataset(old_dataset, tmp_path):
         sys.path.insert(0, {str(os.path.dirname(__file__))!r})
         from test_writer import small_adata
         import deltacells as dc
-        from deltacells import writer
-        real, calls = writer.encode_tile, []
+        from deltacells.write import tiles
+        real, calls = tiles.encode_tile, []
         def encode(*args, **kwargs):
             calls.append(1)
             if len(calls) == 4:
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(*args, **kwargs)
-        writer.encode_tile = encode
+        tiles.encode_tile = encode
         dc.write_deltacells(small_adata(seed=3), {str(root)!r}, tile_size=50,
                             overwrite=True, progress=False)
     """)
@@ -146,7 +146,7 @@ def test_successful_overwrite_replaces_the_dataset(old_dataset):
 
 
 def test_overwrite_without_renameat2_uses_two_renames(old_dataset, monkeypatch):
-    from deltacells import storage
+    from deltacells.store import storage
 
     monkeypatch.setattr(storage, "_renameat2_exchange", lambda a, b: False)
     root, _ = old_dataset

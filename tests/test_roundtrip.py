@@ -8,7 +8,7 @@ import scipy.sparse as sp
 from conftest import DATASETS, sort_genes_by_total
 
 import deltacells as dc
-from deltacells.codec import chunk_bounds
+from deltacells.codec.tile import chunk_bounds
 
 
 def assert_same(decoded: sp.csr_matrix, expected: sp.csr_matrix) -> None:

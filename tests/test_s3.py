@@ -13,7 +13,7 @@ from faultproxy import Fault, FaultProxy
 from test_writer import small_adata
 
 import deltacells as dc
-from deltacells.storage import StorageError, Store
+from deltacells.store.storage import StorageError, Store
 
 moto_server = pytest.importorskip("moto.server", reason="moto[server] is a test dependency")
 pytest.importorskip("s3fs", reason="s3fs is a test dependency")
@@ -291,7 +291,7 @@ def test_two_ranks_of_two_workers_share_an_epoch_over_the_emulated_store(s3, tmp
     import sys
 
     pytest.importorskip("torch")
-    from deltacells.loader import BatchRuns, EpochPlan
+    from deltacells.train.loader import BatchRuns, EpochPlan
 
     url, options, _, _ = s3
     upstream = options["client_kwargs"]["endpoint_url"].removeprefix("http://")

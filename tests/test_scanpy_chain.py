@@ -2,7 +2,7 @@
 each stack; the docs' table (``docs/_static/scanpy_lazy_x_<stack>.md``) is what this test
 sees, not written by hand.
 
-The lazy X answers scanpy through its dask array over tiles (:mod:`deltacells.outofcore`):
+The lazy X answers scanpy through its dask array over tiles (:mod:`deltacells.read.outofcore`):
 statistics are reduced tile by tile, in-place filters and transformations leave X a lazy dask
 array. Each step records its outcome: "works" (results equal to the in-memory chain, X still
 out of core afterwards), "advice" (our TypeError naming ``to_memory()``) or, for the few

@@ -12,7 +12,7 @@ import scipy.sparse as sp
 from conftest import DATA_DIR
 
 import deltacells as dc
-from deltacells.spatial import (
+from deltacells.spatial.grid import (
     SpatialIndex,
     choose_grid,
     grid_tiles_overlapping,

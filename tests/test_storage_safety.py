@@ -15,7 +15,7 @@ from test_writer import small_adata
 
 import deltacells as dc
 from deltacells.cli import main
-from deltacells.storage import StorageError, Store
+from deltacells.store.storage import StorageError, Store
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 ROUND_TRIP = """
-import numpy as np, scipy.sparse as sp, deltacells as dc, deltacells._kernels as k
+import numpy as np, scipy.sparse as sp, deltacells as dc, deltacells.codec._decode as k
 X = sp.random(500, 300, density=0.1, format="csr", random_state=0)
 X.data = np.ceil(X.data * 30)
 X.data[::100] = 70_000  # some counts above 65535: exception frames too

@@ -13,7 +13,7 @@ import scipy.sparse as sp
 from test_writer import small_adata
 
 import deltacells as dc
-from deltacells.elements import ElementsWarning
+from deltacells.store.elements import ElementsWarning
 from deltacells.testing import reseal
 
 

@@ -13,8 +13,9 @@ import scipy.sparse as sp
 from conftest import DATA_DIR
 
 import deltacells as dc
-from deltacells import writer as writer_module
-from deltacells.manifest import obs_fingerprint
+from deltacells.store.manifest import obs_fingerprint
+from deltacells.write import inputs as inputs_module
+from deltacells.write import tiles as tiles_module
 
 
 def read_back(path, *, source_order: bool = True) -> sp.csr_matrix:
@@ -202,12 +203,12 @@ def test_backed_h5ad_zarr_and_csc_inputs_give_identical_datasets(tmp_path):
     for name, source in inputs.items():
         if name == "csc_backed_small_blocks":
             # A tiny column-block budget: the CSC transpose runs in many blocks.
-            original = writer_module._CscSpillReader.__init__.__defaults__
-            writer_module._CscSpillReader.__init__.__defaults__ = (997,)
+            original = inputs_module._CscSpillReader.__init__.__defaults__
+            inputs_module._CscSpillReader.__init__.__defaults__ = (997,)
             try:
                 dc.write_deltacells(source, tmp_path / name, **kwargs)
             finally:
-                writer_module._CscSpillReader.__init__.__defaults__ = original
+                inputs_module._CscSpillReader.__init__.__defaults__ = original
         else:
             dc.write_deltacells(source, tmp_path / name, **kwargs)
         assert files_of(tmp_path / name) == expected, name
@@ -257,7 +258,7 @@ def test_var_table_of_many_files_is_each_genes_first_row(tmp_path, join):
     """The inputs keep their gene names only while the write plans; the var table is each
     output gene's row from the first file that has it, with every file's columns (what one
     concatenation of all the tables gives), read one table at a time."""
-    from deltacells.writer import _open_part
+    from deltacells.write.inputs import _open_part
 
     frames = []
     for i in range(3):
@@ -373,7 +374,7 @@ def test_overwrite_rules(tmp_path):
 def fail_third_tile(monkeypatch) -> None:
     """Make the writer's third tile encoding raise ``RuntimeError("disk on fire")``."""
     calls = {"n": 0}
-    real_encode = writer_module.encode_tile
+    real_encode = tiles_module.encode_tile
 
     def failing_encode(*args, **kwargs):
         calls["n"] += 1
@@ -381,7 +382,7 @@ def fail_third_tile(monkeypatch) -> None:
             raise RuntimeError("disk on fire")
         return real_encode(*args, **kwargs)
 
-    monkeypatch.setattr(writer_module, "encode_tile", failing_encode)
+    monkeypatch.setattr(tiles_module, "encode_tile", failing_encode)
 
 
 def test_a_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
@@ -417,14 +418,14 @@ def test_zero_cells(tmp_path):
 
 
 def test_remap_columns_kernel_matches_scipy():
-    from deltacells import _kernels
+    from deltacells.codec import _rows
 
     rng = np.random.default_rng(11)
     block = sp.random(200, 500, density=0.05, format="csr", random_state=rng)
     block.data = np.ceil(block.data * 9).astype(np.int32)
     col_map = rng.permutation(700)[:500].astype(np.int64)  # into 700 output columns
     col_map[rng.random(500) < 0.2] = -1  # some columns dropped
-    indptr, indices, data = _kernels.remap_columns(
+    indptr, indices, data = _rows.remap_columns(
         block.indptr.astype(np.int64), block.indices, block.data, col_map, 700
     )
     result = sp.csr_matrix((data, indices, indptr), shape=(200, 700))
@@ -436,7 +437,7 @@ def test_remap_columns_kernel_matches_scipy():
         row = indices[indptr[r] : indptr[r + 1]]
         assert np.all(np.diff(row) > 0)
     with pytest.raises(ValueError, match="outside col_map"):
-        _kernels.remap_columns(block.indptr.astype(np.int64), block.indices, block.data,
+        _rows.remap_columns(block.indptr.astype(np.int64), block.indices, block.data,
                                col_map[:10], 700)  # fmt: skip
 
 
@@ -445,7 +446,7 @@ def test_permute_columns_many_wide_rows_of_every_length(dtype):
     # 200k columns take three radix digits, rows of a few entries take the insertion sort,
     # empty rows none; thousands of rows on 2 threads, several times, must agree with scipy
     # every time (per-row scratch and counts are thread-private).
-    from deltacells import _kernels
+    from deltacells.codec import _rows
 
     rng = np.random.default_rng(13)
     n_cols = 200_000
@@ -467,14 +468,14 @@ def test_permute_columns_many_wide_rows_of_every_length(dtype):
     indptr = block.indptr.astype(np.int64)
     for _ in range(3):
         indices, data = block.indices.copy(), block.data.copy()
-        _kernels.permute_columns(indptr, indices, data, col_map, 2)
+        _rows.permute_columns(indptr, indices, data, col_map, 2)
         np.testing.assert_array_equal(indices, expected.indices)
         np.testing.assert_array_equal(data, expected.data)
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.float32, np.float64])
 def test_permute_columns_in_place_matches_scipy_for_any_thread_count(dtype):
-    from deltacells import _kernels
+    from deltacells.codec import _rows
 
     rng = np.random.default_rng(12)
     block = sp.random(300, 3000, density=0.03, format="csr", random_state=rng)
@@ -488,19 +489,19 @@ def test_permute_columns_in_place_matches_scipy_for_any_thread_count(dtype):
     indptr = block.indptr.astype(np.int64)
     for n_threads in (1, 2, 3):
         indices, data = block.indices.copy(), block.data.copy()
-        _kernels.permute_columns(indptr, indices, data, col_map, n_threads)
+        _rows.permute_columns(indptr, indices, data, col_map, n_threads)
         np.testing.assert_array_equal(indices, expected.indices)
         np.testing.assert_array_equal(data, expected.data)
     not_a_permutation = col_map.copy()
     not_a_permutation[block.indices[1]] = col_map[block.indices[0]]  # row 0 collides
     with pytest.raises(ValueError, match="row 0 to the same place"):
-        _kernels.permute_columns(indptr, block.indices.copy(), block.data.copy(),
+        _rows.permute_columns(indptr, block.indices.copy(), block.data.copy(),
                                  not_a_permutation, 2)  # fmt: skip
     with pytest.raises(ValueError, match="outside col_map"):
         short_map = np.arange(10, dtype=np.int64)[::-1].copy()  # columns >= 10 have no place
-        _kernels.permute_columns(indptr, block.indices.copy(), block.data.copy(), short_map, 2)
+        _rows.permute_columns(indptr, block.indices.copy(), block.data.copy(), short_map, 2)
     with pytest.raises(ValueError, match="n_out_cols"):
-        _kernels.remap_columns(indptr, block.indices, block.data, col_map, 2000)
+        _rows.remap_columns(indptr, block.indices, block.data, col_map, 2000)
 
 
 def test_tile_size_follows_counts_above_65535(tmp_path):
@@ -596,7 +597,7 @@ def test_atlas_obs_is_the_concatenation_of_the_inputs(tmp_path, shuffle, monkeyp
     pandas' outer concatenation of all of them (dtypes, categories, missing values), for
     inputs written in order and shuffled (also with the temporary obs file in batches of 7
     rows, so that tiles gather rows across many batches); repeated names are recorded."""
-    from deltacells import _obs_write
+    from deltacells.write import obs as _obs_write
 
     if shuffle == "small batches":
         monkeypatch.setattr(_obs_write, "SPILL_ROWS", 7)
@@ -627,7 +628,7 @@ def test_atlas_obs_is_the_concatenation_of_the_inputs(tmp_path, shuffle, monkeyp
 
 def test_obs_names_checked_exactly_when_hashes_agree(monkeypatch):
     """Names are compared by 64-bit hashes; where two agree, by the names themselves."""
-    from deltacells import _obs_write
+    from deltacells.write import obs as _obs_write
 
     def frames(*names):
         readers = [lambda n=n: pd.DataFrame(index=list(n)) for n in names]

@@ -23,7 +23,7 @@ import numpy as np
 import scipy.sparse as sp
 
 import deltacells as dc
-from deltacells import _kernels
+from deltacells.codec import _checksum, _decode, _encode
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
@@ -73,9 +73,9 @@ def run(h5ad: Path, out: Path, tile_size: int | None, level: int) -> None:
         if "use_raw" in how:
             source = ad.AnnData(X=X, obs=source.obs, var=source.raw.var)
     print(f"{h5ad.name}: {X.shape[0]:,} cells x {X.shape[1]:,} genes, {X.nnz:,} nonzeros")
-    print(f"deltacells {dc.__version__}, libzstd {_kernels.zstd_version()}, "
-          f"OpenMP {'on' if _kernels.openmp_enabled() else 'off'}, "
-          f"CRC-32 by {_kernels.crc_backend()}")  # fmt: skip
+    print(f"deltacells {dc.__version__}, libzstd {_encode.zstd_version()}, "
+          f"OpenMP {'on' if _decode.openmp_enabled() else 'off'}, "
+          f"CRC-32 by {_checksum.crc_backend()}")  # fmt: skip
 
     t0 = time.perf_counter()
     manifest = dc.write_deltacells(h5ad, out, tile_size=tile_size, zstd_level=level,

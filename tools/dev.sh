@@ -136,7 +136,7 @@ case "$job" in
     # newest anndata, pandas, zarr and scanpy. Each suite runs whole even if the other failed.
     ensure_environment
     "$VENV/bin/ruff" check src tests benchmarks tools docs
-    "$VENV/bin/cython-lint" src/deltacells/*.pyx src/deltacells/*.pxd
+    "$VENV/bin/cython-lint" src/deltacells/codec/*.pyx src/deltacells/codec/*.pxd
     build_docs
     stack_versions "$VENV/bin/python"
     status=0

@@ -8,21 +8,25 @@ Training: :class:`Loader`. Spatial: ``write_deltacells(..., spatial_key=)``,
 
 from importlib.metadata import PackageNotFoundError, version
 
-from deltacells.backed import DeltacellsCSRDataset, read_deltacells
-from deltacells.codec import DEFAULT_LEVEL, CountError, Tile, decode_tile, encode_tile
-from deltacells.dataset import Dataset, open_dataset
+from deltacells import _moved
+from deltacells.codec.format import FormatError, LimitError, Limits, get_limits, set_limits
+from deltacells.codec.tile import DEFAULT_LEVEL, CountError, Tile, decode_tile, encode_tile
 from deltacells.export import to_spatialdata
-from deltacells.format import FormatError, LimitError, Limits, get_limits, set_limits
-from deltacells.genemajor import add_gene_major
-from deltacells.loader import Batch, Loader
-from deltacells.writer import write_deltacells
+from deltacells.read.assemble import read_deltacells
+from deltacells.read.dataset import Dataset, open_dataset
+from deltacells.read.lazy_matrix import DeltacellsCSRDataset
+from deltacells.spatial.genemajor import add_gene_major
+from deltacells.train.loader import Batch, Loader
+from deltacells.write.writer import write_deltacells
+
+_moved.install()
 
 
 def __getattr__(name: str):
     # The torch adapter imports torch (an optional extra) only when asked for.
     if name == "TorchIterableDataset":
         try:
-            from deltacells.torchdata import TorchIterableDataset
+            from deltacells.train.torchdata import TorchIterableDataset
         except ModuleNotFoundError as err:  # pragma: no cover - exercised without torch
             if err.name != "torch":
                 raise
@@ -30,6 +34,10 @@ def __getattr__(name: str):
                 "TorchIterableDataset needs torch: pip install 'deltacells[torch]'"
             ) from err
         return TorchIterableDataset
+    if name in _moved.MOVED:  # ``deltacells.storage`` and the other paths before the move
+        import importlib
+
+        return importlib.import_module(f"deltacells.{name}")
     raise AttributeError(f"module 'deltacells' has no attribute {name!r}")
 
 

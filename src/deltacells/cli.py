@@ -9,11 +9,12 @@ import re
 import sys
 from collections.abc import Sequence
 
-from deltacells.codec import DEFAULT_LEVEL, DEFAULT_N_CHUNKS
-from deltacells.dataset import open_dataset
-from deltacells.format import FormatError
-from deltacells.genemajor import DEFAULT_BLOCK_CELLS, DEFAULT_CHUNK_GENES
-from deltacells.writer import DEFAULT_TILE_SIZE, JOINS, write_deltacells
+from deltacells.codec.format import FormatError
+from deltacells.codec.tile import DEFAULT_LEVEL, DEFAULT_N_CHUNKS
+from deltacells.read.dataset import open_dataset
+from deltacells.spatial.genemajor import DEFAULT_BLOCK_CELLS, DEFAULT_CHUNK_GENES
+from deltacells.write.plan import JOINS
+from deltacells.write.writer import DEFAULT_TILE_SIZE, write_deltacells
 
 __all__ = ["main"]
 
@@ -86,7 +87,7 @@ SCHEDULER_TIMEOUT_S = 10.0
 
 def _check_threads(threads: int | None) -> None:
     """``--threads -N`` that leaves no thread on this machine is a mistake, not "one"."""
-    from deltacells._parallel import usable_cpu_count
+    from deltacells.codec.threads import usable_cpu_count
 
     if threads is not None and threads < 0 and usable_cpu_count() + 1 + threads < 1:
         raise ValueError(f"--threads {threads} leaves no thread on this machine's "
@@ -196,12 +197,12 @@ def _export_spatialdata(args: argparse.Namespace) -> int:
 
 
 def _add_gene_major(args: argparse.Namespace) -> int:
-    from deltacells.genemajor import add_gene_major
+    from deltacells.spatial.genemajor import add_gene_major
 
     dataset = open_dataset(args.path)
     progress = None
     if not args.quiet:
-        from deltacells._progress import progress as progress_of
+        from deltacells.write.progress import progress as progress_of
 
         def progress(blocks):
             return progress_of(blocks, desc="gene-major blocks", unit="block")
@@ -235,7 +236,7 @@ def _verify(args: argparse.Namespace) -> int:
     dataset = open_dataset(args.path)
     progress = None
     if not args.quiet:
-        from deltacells._progress import progress as progress_of
+        from deltacells.write.progress import progress as progress_of
 
         def progress(tiles):
             return progress_of(tiles, desc="verifying tiles", unit="tile")

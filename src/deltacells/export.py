@@ -186,8 +186,8 @@ def to_spatialdata(
     import anndata as ad
     import zarr
 
-    from deltacells.backed import read_deltacells
-    from deltacells.dataset import open_dataset
+    from deltacells.read.assemble import read_deltacells
+    from deltacells.read.dataset import open_dataset
 
     out = Path(out)
     if out.exists():

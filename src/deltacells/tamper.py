@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from deltacells.format import FormatError
+from deltacells.codec.format import FormatError
 
 __all__ = ["TamperReport", "digest_of", "read_every_path", "tamper_dataset"]
 
@@ -81,9 +81,9 @@ def read_every_path(root: str | Path, cache_dir: str | Path) -> dict[str, Callab
     """The user paths of a dataset, each a function returning what it reads (comparable with
     :func:`digest_of`). Paths the dataset has no data for (no spatial order, no companion)
     are left out."""
-    from deltacells.backed import read_deltacells
-    from deltacells.dataset import open_dataset
-    from deltacells.loader import Loader
+    from deltacells.read.assemble import read_deltacells
+    from deltacells.read.dataset import open_dataset
+    from deltacells.train.loader import Loader
 
     root = str(root)
     paths: dict[str, Callable[[], Any]] = {}
@@ -183,7 +183,7 @@ def tamper_dataset(root: str | Path, *, flips_per_file: int = 1, truncate: float
     seconds
         Stop starting new damages after this long.
     """
-    from deltacells.dataset import open_dataset
+    from deltacells.read.dataset import open_dataset
 
     rng = np.random.default_rng(seed)
     report = TamperReport()

@@ -31,8 +31,7 @@ import numpy as np
 import scipy.sparse as sp
 import zstandard
 
-from deltacells.codec import Tile
-from deltacells.format import (
+from deltacells.codec.format import (
     CELL_HI,
     CELL_LO,
     HEADER_SIZE,
@@ -41,7 +40,8 @@ from deltacells.format import (
     FormatError,
     parse_layout,
 )
-from deltacells.integrity import sealed_json
+from deltacells.codec.tile import Tile
+from deltacells.store.integrity import sealed_json
 
 __all__ = [
     "FuzzReport",
@@ -342,8 +342,8 @@ _POOL = (None, True, -1, 0, 1, 7, 63, 64, 2**31, 2**32, 2**62, 2**63, 2**64, 10*
 
 def _read_everything(root: Path, cache_dir: Path) -> None:
     """What a user does with a dataset: open, every tile, genes, obs, the lazy AnnData."""
-    from deltacells.backed import read_deltacells
-    from deltacells.dataset import open_dataset
+    from deltacells.read.assemble import read_deltacells
+    from deltacells.read.dataset import open_dataset
 
     dataset = open_dataset(root)
     for t in range(dataset.manifest.n_tiles):
@@ -432,7 +432,7 @@ def fuzz_obs_shards(root: str | Path, n_mutants: int, *, seed: int = 0) -> FuzzR
     truncation, footer damage), record its size, hash and the obs fingerprint in the manifest
     as a writer would, and read everything back: only :class:`.FormatError` may come out (the
     parquet format has no checksums, so some damage reads back as other values)."""
-    from deltacells.manifest import OBS_SCHEMA_NAME, obs_fingerprint, obs_shard_name
+    from deltacells.store.manifest import OBS_SCHEMA_NAME, obs_fingerprint, obs_shard_name
 
     rng = np.random.default_rng(seed)
     report = FuzzReport()
@@ -489,12 +489,12 @@ def reseal(root: str | Path, manifest: dict | None = None) -> dict:
     dict
         The manifest object written.
     """
-    from deltacells.integrity import FILES_KEY, file_record
+    from deltacells.store.integrity import FILES_KEY, file_record
 
     root = Path(root)
     path = root / "manifest.json"
     obj = json.loads(path.read_text()) if manifest is None else json.loads(json.dumps(manifest))
-    from deltacells.spatial import (
+    from deltacells.spatial.grid import (
         GRID_SUMS_FILES,
         GRID_SUMS_NAME,
         TILE_OFFSETS_NAME,
@@ -586,8 +586,8 @@ def repeat_tiles(base: str | Path, target: str | Path, n_tiles: int, *,
 
     import pyarrow.parquet as pq
 
-    from deltacells.dataset import open_dataset
-    from deltacells.manifest import (
+    from deltacells.read.dataset import open_dataset
+    from deltacells.store.manifest import (
         MANIFEST_NAME,
         OBS_SCHEMA_NAME,
         ObsSchema,
@@ -648,7 +648,7 @@ def repeat_tiles(base: str | Path, target: str | Path, n_tiles: int, *,
         chunk_sums = dict(m.chunk_sums, row_crc32=m.chunk_sums["row_crc32"] * repeats)
     files = None
     if m.files is not None:
-        from deltacells.integrity import file_record
+        from deltacells.store.integrity import file_record
 
         files = {name: file_record((target / name).read_bytes())
                  for name in ("gene_order.npy", "var_names.txt", "var.parquet", OBS_SCHEMA_NAME)

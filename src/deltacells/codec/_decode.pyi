@@ -1,0 +1,44 @@
+"""Type stubs for the compiled kernels of _decode.pyx."""
+
+import numpy as np
+from numpy.typing import NDArray
+
+def openmp_enabled() -> bool: ...
+def check_frames(
+    blob: NDArray[np.uint8] | bytes,
+    chunks: NDArray[np.int64],
+    where: object,
+    n_threads: int = 1,
+) -> NDArray[np.int64]: ...
+def decode_into(
+    blob: NDArray[np.uint8] | bytes,
+    chunks: NDArray[np.int64],
+    indptr: NDArray[np.int64],
+    exc: NDArray[np.int64],
+    n_genes: int,
+    indices: NDArray[np.int32],
+    values: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
+    n_threads: int,
+    where: object,
+    col_map: NDArray[np.integer] | None = None,
+) -> None: ...
+def gather_into(
+    blob: NDArray[np.uint8] | bytes,
+    chunks: NDArray[np.int64],
+    indptr: NDArray[np.int64],
+    exc: NDArray[np.int64],
+    n_genes: int,
+    rows: NDArray[np.int64],
+    order: NDArray[np.int64],
+    group_chunks: NDArray[np.int64],
+    group_starts: NDArray[np.int64],
+    out_indptr: NDArray[np.int64],
+    indices: NDArray[np.int32],
+    values: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
+    n_threads: int,
+    where: object,
+    col_map: NDArray[np.integer] | None = None,
+) -> None: ...
+def decompress_only(
+    blob: NDArray[np.uint8] | bytes, chunks: NDArray[np.int64], n_threads: int
+) -> int: ...

@@ -1,0 +1,685 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Hot loops of the deltacells tile codec: libzstd called directly, the GIL released.
+
+Chunks are the unit of parallelism: every parallel loop runs over chunks (or, when a whole
+tile is decoded, over each chunk's two streams) under ``prange``, with one zstd context and one
+scratch buffer per thread. Nothing inside a parallel region touches a Python object; failures
+are written to per-job status slots and raised once the region is over, for the lowest failing
+job, so the error (like the output) does not depend on the thread count.
+
+The structure handed to these functions (chunk table, indptr) must come from
+:func:`deltacells.codec.format.parse_layout`; the kernels check what they index anyway, so bad input
+gives an error rather than a stray memory access.
+"""
+
+from cython.parallel cimport parallel, prange, threadid
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
+from libc.stdlib cimport free, malloc
+
+import numpy as np
+
+from deltacells.codec._common cimport (
+    value_t,
+    CELL_LO,
+    CELL_HI,
+    NNZ_LO,
+    NNZ_HI,
+    STREAM_MAX,
+    MAX_COUNT,
+    OK,
+    E_NOMEM,
+    E_FRAME_HEADER,
+    E_FRAME_SIZE,
+    E_FRAME_LENGTH,
+    E_DECOMPRESS,
+    E_CELL_RANGE,
+    E_ZERO_GAP,
+    E_GENE_RANGE,
+    E_EXC_SIZE,
+    E_EXC_ORDER,
+    E_VEXC_PAYLOAD,
+    E_GEXC_PAYLOAD,
+    E_EXC_STORED,
+    E_ZERO_COUNT,
+    E_COL_MAP,
+    DELTACELLS_OPENMP,
+    dc_prefix_planes,
+    dc_any_zero_planes,
+    dc_planes_to_f32,
+    dc_store_fence,
+    dc_chunk_gaps,
+)
+from deltacells.codec._rowsort cimport (
+    SortScratch,
+    free_sort_scratch,
+    new_sort_scratch,
+    row_to_mapped_order,
+)
+from deltacells.codec._zstd cimport (
+    ZSTD_CONTENTSIZE_ERROR,
+    ZSTD_CONTENTSIZE_UNKNOWN,
+    ZSTD_createDCtx,
+    ZSTD_DCtx,
+    ZSTD_decompressDCtx,
+    ZSTD_findFrameCompressedSize,
+    ZSTD_getFrameContentSize,
+    ZSTD_isError,
+)
+from deltacells.codec.format import FormatError
+from deltacells.codec._status import raise_status
+
+
+def openmp_enabled() -> bool:
+    """Whether this build runs parallel loops with OpenMP (else serially, same output)."""
+    return bool(DELTACELLS_OPENMP)
+
+
+# Decompression contexts are reused across calls: creating one costs about as much as
+# decoding a small tile. A context is used by one thread at a time: contexts are taken from this
+# list with the GIL held before a parallel region and given back after it, so concurrent calls
+# from several Python threads never share one.
+_idle_dctx = []
+
+
+cdef object _take_dctx(int n):
+    """Addresses of ``n`` decompression contexts, reused when idle ones exist."""
+    cdef size_t address
+    taken = np.zeros(n, dtype=np.uintp)
+    cdef size_t[::1] taken_v = taken
+    for i in range(n):
+        if _idle_dctx:
+            address = _idle_dctx.pop()
+        else:
+            address = <size_t>ZSTD_createDCtx()
+            if address == 0:
+                _give_back_dctx(taken[:i])
+                raise MemoryError("could not create a zstd decompression context")
+        taken_v[i] = address
+    return taken
+
+
+cdef void _give_back_dctx(object taken):
+    _idle_dctx.extend(int(a) for a in taken)
+
+
+# Scratch buffers for decompressed planes, kept between calls like the contexts: a fresh
+# malloc of a few MiB is a fresh mmap, whose pages fault in one by one on every call.
+_idle_scratch = []
+_scratch_sizes = {}
+_MAX_IDLE_SCRATCH = 8
+
+
+cdef object _take_scratch(int n, int64_t size):
+    """Addresses of ``n`` buffers of at least ``size`` bytes, reused when idle ones exist."""
+    cdef void* fresh
+    taken = np.zeros(n, dtype=np.uintp)
+    for i in range(n):
+        address = _idle_scratch.pop() if _idle_scratch else 0
+        if address and _scratch_sizes[address] < size:
+            del _scratch_sizes[address]
+            free(<void*><size_t>address)
+            address = 0
+        if not address:
+            fresh = malloc(size)
+            if fresh == NULL:
+                _give_back_scratch(taken[:i])
+                raise MemoryError(f"could not allocate {size} bytes of decoding scratch")
+            address = <size_t>fresh
+            _scratch_sizes[address] = size
+        taken[i] = address
+    return taken
+
+
+cdef void _give_back_scratch(object taken):
+    _idle_scratch.extend(int(a) for a in taken)
+    while len(_idle_scratch) > _MAX_IDLE_SCRATCH:
+        address = _idle_scratch.pop(0)
+        del _scratch_sizes[address]
+        free(<void*><size_t>address)
+
+
+cdef struct Chunk:
+    # One chunk being decoded: its exception lists and one stream's byte planes at a time
+    # (gaps, then values), so the scratch a thread touches stays small enough for its cache.
+    const uint8_t* lo
+    const uint8_t* hi
+    const uint32_t* vpos
+    const uint32_t* vpay
+    const uint32_t* gpos
+    const uint32_t* gpay
+    int64_t n
+    int64_t kv
+    int64_t kg
+    int stream  # non-temporal stores for long runs (off when the output is re-read at once)
+
+
+# ---------------------------------------------------------------------------------------------
+# Frame checks (serial; header reads only, nothing is decompressed)
+
+
+def check_frames(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, object where,
+                 int n_threads=1):
+    """Check every frame's header and length; return the exception counts per chunk.
+
+    Each stream must be exactly one zstd frame that fills its stored length and declares its
+    content size: ``2 * n`` bytes for gaps and values, ``8 * k`` with ``k <= n`` for exception
+    frames. Chunks are checked in parallel on ``n_threads`` (tiles of many small chunks have
+    thousands of frames); the lowest failing chunk is reported whatever the thread count.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``int64`` array of shape ``(n_chunks, 2)``: value and gap exception counts.
+    """
+    cdef Py_ssize_t n_chunks = chunks.shape[0]
+    cdef Py_ssize_t c
+    cdef int f
+    cdef int64_t n, off, length
+    cdef unsigned long long content
+    cdef size_t frame_size
+    counts = np.zeros((n_chunks, 2), dtype=np.int64)
+    cdef int64_t[:, ::1] counts_v = counts
+    status = np.zeros(n_chunks, dtype=np.int32)
+    detail = np.zeros(n_chunks, dtype=np.int64)
+    cdef int32_t[::1] status_v = status
+    cdef int64_t[::1] detail_v = detail
+    cdef const uint8_t* base = &blob[0]
+    with nogil:
+        for c in prange(n_chunks, num_threads=n_threads if n_chunks >= 64 else 1,
+                        schedule="static"):
+            n = chunks[c, NNZ_HI] - chunks[c, NNZ_LO]
+            for f in range(4):
+                off = chunks[c, 4 + 2 * f]
+                length = chunks[c, 5 + 2 * f]
+                if length == 0:
+                    continue  # exception frames may be absent; parse_layout checked the streams
+                content = ZSTD_getFrameContentSize(base + off, <size_t>length)
+                if content == ZSTD_CONTENTSIZE_ERROR or content == ZSTD_CONTENTSIZE_UNKNOWN:
+                    status_v[c] = E_FRAME_HEADER
+                elif f < 2 and content != <unsigned long long>(2 * n):
+                    status_v[c] = E_FRAME_SIZE
+                elif f >= 2 and (content % 8 != 0 or content // 8 > <unsigned long long>n):
+                    status_v[c] = E_EXC_SIZE
+                else:
+                    frame_size = ZSTD_findFrameCompressedSize(base + off, <size_t>length)
+                    if ZSTD_isError(frame_size) or frame_size != <size_t>length:
+                        status_v[c] = E_FRAME_LENGTH
+                    elif f >= 2:
+                        counts_v[c, f - 2] = <int64_t>(content // 8)
+                if status_v[c] != OK:
+                    detail_v[c] = f
+                    break
+    raise_status(status, detail, where)
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+
+
+cdef inline int64_t _scratch_bytes(int64_t n, int64_t kv, int64_t kg) noexcept nogil:
+    # Exception lists first (uint32 aligned), then one stream's planes.
+    return 8 * kv + 8 * kg + 2 * n + 8
+
+
+cdef int _load_exception_frame(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entry,
+                               int which, int64_t k, int64_t n, uint8_t* dst,
+                               int64_t lowest, int64_t highest, int bad_payload,
+                               int64_t* detail) noexcept nogil:
+    """Decompress exception frame ``which`` (2 vexc, 3 gexc) of a chunk into ``dst`` and check
+    that its ``k`` positions strictly increase below ``n`` and its payloads lie in range."""
+    cdef const uint32_t* pos = <const uint32_t*>dst
+    cdef const uint32_t* pay = pos + k
+    cdef int64_t i
+    cdef size_t got
+    if k == 0:
+        if entry[5 + 2 * which] == 0:
+            return OK  # absent: the usual case
+        # A present frame holding k = 0 exceptions is valid (docs/format.md) but must really
+        # decompress to nothing, whatever blocks follow its header.
+        got = ZSTD_decompressDCtx(dctx, dst, 0, blob + entry[4 + 2 * which],
+                                  <size_t>entry[5 + 2 * which])
+        if ZSTD_isError(got) or got != 0:
+            detail[0] = which
+            return E_DECOMPRESS
+        return OK
+    got = ZSTD_decompressDCtx(dctx, dst, <size_t>(8 * k), blob + entry[4 + 2 * which],
+                              <size_t>entry[5 + 2 * which])
+    if ZSTD_isError(got) or got != <size_t>(8 * k):
+        detail[0] = which
+        return E_DECOMPRESS
+    for i in range(k):
+        if pos[i] >= n or (i > 0 and pos[i] <= pos[i - 1]):
+            detail[0] = i
+            return E_EXC_ORDER
+        if pay[i] < lowest or pay[i] > highest:
+            detail[0] = i
+            return bad_payload
+    return OK
+
+
+cdef int _load_exceptions(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entry,
+                          int64_t kv, int64_t kg, int64_t n_genes, uint8_t* scratch,
+                          Chunk* p, int64_t* detail) noexcept nogil:
+    """Decompress a chunk's exception frames and check positions and payload ranges."""
+    cdef int st
+    p.n = entry[NNZ_HI] - entry[NNZ_LO]
+    p.kv = kv
+    p.kg = kg
+    p.vpos = <const uint32_t*>scratch
+    p.vpay = p.vpos + kv
+    p.gpos = p.vpay + kv
+    p.gpay = p.gpos + kg
+    st = _load_exception_frame(dctx, blob, entry, 2, kv, p.n, scratch, 65536, MAX_COUNT,
+                               E_VEXC_PAYLOAD, detail)
+    if st == OK:
+        st = _load_exception_frame(dctx, blob, entry, 3, kg, p.n, scratch + 8 * kv, 1,
+                                   n_genes - 1, E_GEXC_PAYLOAD, detail)
+    return st
+
+
+cdef int _load_planes(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entry, int which,
+                      uint8_t* scratch, Chunk* p, int64_t* detail) noexcept nogil:
+    """Decompress stream ``which`` (0 gaps, 1 values) of a chunk into the scratch planes.
+
+    Also checks that this stream's exceptions sit on a stored 65535.
+    """
+    cdef int64_t i, k = p.kg if which == 0 else p.kv
+    cdef const uint32_t* pos = p.gpos if which == 0 else p.vpos
+    cdef uint8_t* dst = scratch + 8 * (p.kv + p.kg)
+    cdef size_t got = ZSTD_decompressDCtx(dctx, dst, <size_t>(2 * p.n), blob + entry[4 + 2 * which],
+                                          <size_t>entry[5 + 2 * which])
+    if ZSTD_isError(got) or got != <size_t>(2 * p.n):
+        detail[0] = which
+        return E_DECOMPRESS
+    p.lo = dst
+    p.hi = dst + p.n
+    for i in range(k):
+        if (p.lo[pos[i]] | (p.hi[pos[i]] << 8)) != STREAM_MAX:
+            detail[0] = pos[i]
+            return E_EXC_STORED
+    return OK
+
+
+cdef inline int64_t _lower_bound(const uint32_t* a, int64_t k, int64_t x) noexcept nogil:
+    """First index i in sorted a[0:k] with a[i] >= x."""
+    cdef int64_t lo = 0, hi = k, mid
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if <int64_t>a[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+cdef int _decode_cell(const Chunk* p, int64_t s, int64_t e, int64_t n_genes,
+                      int32_t* out, int64_t* xcursor) noexcept nogil:
+    """Gene indices of the nonzeros s..e of a chunk (one cell) into out[0 : e - s].
+
+    The gaps planes must be loaded. ``xcursor`` indexes the first gap exception at or after
+    ``s``; it is advanced past ``e``.
+    """
+    # Local copies: the compiler cannot assume stores to out leave p's fields alone.
+    cdef const uint8_t* glo = p.lo
+    cdef const uint8_t* ghi = p.hi
+    cdef const uint32_t* gpos = p.gpos
+    cdef int64_t kg = p.kg
+    cdef int64_t g = 0, i, q, x = xcursor[0]
+    cdef int64_t start = s
+    cdef int32_t* dst = out - s
+    if s == e:
+        return OK
+    # The first gap of a cell is its first gene and may be 0; any later zero is a duplicate.
+    if dc_any_zero_planes(glo + s + 1, ghi + s + 1, e - s - 1):
+        return E_ZERO_GAP
+    while start < e:
+        if x < kg and gpos[x] == start:
+            g += p.gpay[x]
+            x += 1
+        if g >= n_genes:  # indices only grow, so this cell is already out of range
+            return E_GENE_RANGE
+        q = e
+        if x < kg and gpos[x] < e:
+            q = gpos[x]
+        if g + <int64_t>STREAM_MAX * (q - start) < MAX_COUNT:
+            g = dc_prefix_planes(glo + start, ghi + start, q - start, <int32_t>g, dst + start,
+                                 p.stream)
+        else:  # a very long segment could pass 2^31 in int32: add up in int64 instead
+            for i in range(start, q):
+                g += glo[i] | (<uint32_t>ghi[i] << 8)
+                dst[i] = <int32_t>g
+                if g >= n_genes:
+                    return E_GENE_RANGE
+        start = q
+    xcursor[0] = x
+    if g >= n_genes:  # indices increase within a cell, so the last one is the largest
+        return E_GENE_RANGE
+    return OK
+
+
+cdef int _decode_values(const Chunk* p, int64_t s, int64_t e, value_t* out,
+                        int64_t* xcursor) noexcept nogil:
+    """Counts of the nonzeros s..e of a chunk into out[0 : e - s], exceptions applied.
+
+    The values planes must be loaded. Returns E_ZERO_COUNT if a stored count is 0.
+    """
+    cdef const uint8_t* vlo = p.lo
+    cdef const uint8_t* vhi = p.hi
+    cdef value_t* dst = out - s
+    cdef int64_t i, x = xcursor[0]
+    cdef uint8_t any_zero = 0
+    if value_t is float and e - s >= 4096:
+        any_zero = dc_planes_to_f32(vlo + s, vhi + s, e - s, out, p.stream)
+    else:
+        # Written so that the compiler vectorizes it with baseline SSE2: byte compares for the
+        # zero check and a signed int32 -> float conversion (stored counts are at most 65535).
+        for i in range(s, e):
+            any_zero |= (vlo[i] | vhi[i]) == 0
+            dst[i] = <value_t>(<int32_t>(vlo[i] | (<int32_t>vhi[i] << 8)))
+    while x < p.kv and p.vpos[x] < e:
+        dst[p.vpos[x]] = <value_t>p.vpay[x]
+        x += 1
+    xcursor[0] = x
+    if any_zero:
+        for i in range(s, e):
+            if vlo[i] == 0 and vhi[i] == 0:
+                return E_ZERO_COUNT
+    return OK
+
+
+cdef int _decode_chunk(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entry,
+                       int64_t kv, int64_t kg, int64_t n_genes, const int64_t* indptr,
+                       const int64_t* rows, const int64_t* order, int64_t k_lo, int64_t k_hi,
+                       const int64_t* out_indptr, int32_t* idx_out, value_t* val_out,
+                       uint8_t* scratch, Chunk* p, int streams, int64_t* detail) noexcept nogil:
+    """Decode one chunk: all its cells in place, or the requested rows to their output rows.
+
+    ``streams`` says what to decode: 1 the gene indices, 2 the values, 3 both.
+
+    With ``rows == NULL`` every cell goes to its own place (outputs indexed by tile nonzero).
+    Otherwise output row ``j = order[k]`` for ``k`` in ``k_lo..k_hi`` is cell ``rows[j]``,
+    written at ``out_indptr[j]``. Gaps are decoded first, then values into the same scratch.
+    """
+    cdef int64_t a = entry[NNZ_LO], k, j = 0, r, s, e, o, x
+    cdef int which, st
+    st = _load_exceptions(dctx, blob, entry, kv, kg, n_genes, scratch, p, detail)
+    if st != OK:
+        return st
+    for which in range(2):
+        if not (streams >> which) & 1:
+            continue
+        st = _load_planes(dctx, blob, entry, which, scratch, p, detail)
+        if st != OK:
+            return st
+        if rows == NULL and which == 0 and p.kg == 0:
+            st = dc_chunk_gaps(p.lo, p.hi, p.n, indptr, entry[CELL_LO], entry[CELL_HI], a,
+                               n_genes, idx_out + a, p.stream)
+            dc_store_fence()
+            if st == 0:
+                continue  # else the cell-by-cell loop below decodes again and names the error
+        if rows == NULL and which == 1:
+            # Values of the whole chunk are contiguous in the output: one pass.
+            x = 0
+            st = _decode_values(p, 0, p.n, val_out + a, &x)
+            if st != OK:
+                detail[0] = entry[CELL_LO]
+                return st
+            continue
+        x = 0
+        k = k_lo
+        r = entry[CELL_LO]
+        while (rows == NULL and r < entry[CELL_HI]) or (rows != NULL and k < k_hi):
+            if rows == NULL:
+                o = indptr[r]
+            else:
+                j = order[k]
+                r = rows[j]
+                o = out_indptr[j]
+                if r < entry[CELL_LO] or r >= entry[CELL_HI]:
+                    detail[0] = r
+                    return E_CELL_RANGE
+            s = indptr[r] - a
+            e = indptr[r + 1] - a
+            if s < 0 or e < s or e > p.n or (rows != NULL and out_indptr[j + 1] - o != e - s):
+                detail[0] = r
+                return E_CELL_RANGE
+            if which == 0:
+                if rows != NULL:
+                    x = _lower_bound(p.gpos, p.kg, s)
+                st = _decode_cell(p, s, e, n_genes, idx_out + o, &x)
+            else:
+                x = _lower_bound(p.vpos, p.kv, s)
+                st = _decode_values(p, s, e, val_out + o, &x)
+            if st != OK:
+                detail[0] = r
+                return st
+            r += 1
+            k += 1
+        dc_store_fence()  # order the gaps pass's non-temporal stores before anything else
+    return OK
+
+
+cdef int64_t _max_scratch(const int64_t[:, ::1] chunks, const int64_t[:, ::1] exc, object ids):
+    cdef int64_t best = 8, size
+    for c in ids:
+        size = _scratch_bytes(chunks[c, NNZ_HI] - chunks[c, NNZ_LO], exc[c, 0], exc[c, 1])
+        if size > best:
+            best = size
+    return best
+
+
+cdef void _decode_jobs(const uint8_t* blob, const int64_t[:, ::1] chunks,
+                       const int64_t[:, ::1] exc, int64_t n_genes, const int64_t* indptr,
+                       const int64_t* rows, const int64_t* order, const int64_t* job_chunks,
+                       const int64_t* job_starts, Py_ssize_t n_jobs, bint split_streams,
+                       const int64_t* out_indptr, int32_t* idx_out, value_t* val_out,
+                       const size_t* scratches, int n_threads,
+                       const size_t* contexts, const int32_t* col_map, int64_t capacity,
+                       int32_t* status, int64_t* detail) noexcept nogil:
+    """Run ``_decode_chunk`` for every job in parallel (a job is a chunk or one of its streams).
+
+    Without ``rows`` job ``g`` is chunk ``g``; with them it is chunk ``job_chunks[g]`` and its
+    rows ``order[job_starts[g]:job_starts[g + 1]]``. With ``split_streams`` (whole chunks, no
+    ``col_map``) job ``g`` is one stream of chunk ``g // 2``: its gene indices when ``g`` is even,
+    its values when odd: twice as many, smaller jobs leave less idle time at the end. With
+    ``col_map`` (a permutation of the ``n_genes`` columns) each job's output rows are then
+    renumbered and sorted in place by the same thread while they are still in cache (so they
+    are written with regular stores), with sort scratch of ``capacity`` entries.
+    """
+    cdef Py_ssize_t g
+    cdef int64_t c, k, o, length, kept
+    cdef int st
+    cdef ZSTD_DCtx* dctx = NULL  # set per thread; initialized so the firstprivate copy is defined
+    cdef uint8_t* scratch = NULL
+    cdef Chunk* chunk = NULL
+    cdef SortScratch sorting
+    with parallel(num_threads=n_threads):
+        dctx = <ZSTD_DCtx*>contexts[threadid()]
+        scratch = <uint8_t*>scratches[threadid()]
+        chunk = <Chunk*>malloc(sizeof(Chunk))
+        sorting = new_sort_scratch(capacity if col_map != NULL else 0, sizeof(value_t) == 8)
+        for g in prange(n_jobs, schedule="dynamic"):
+            if (dctx == NULL or scratch == NULL or chunk == NULL
+                    or (col_map != NULL and not sorting.ready)):
+                status[g] = E_NOMEM
+                continue
+            c = (g >> 1 if split_streams else g) if rows == NULL else job_chunks[g]
+            chunk.stream = col_map == NULL
+            st = _decode_chunk(
+                dctx, blob, &chunks[c, 0], exc[c, 0], exc[c, 1], n_genes, indptr, rows, order,
+                0 if rows == NULL else job_starts[g], 0 if rows == NULL else job_starts[g + 1],
+                out_indptr, idx_out, val_out, scratch, chunk,
+                1 << (g & 1) if split_streams else 3, &detail[g])
+            if st == OK and col_map != NULL:
+                # Whole chunk: its cells in place; selected rows: the output rows of this job.
+                for k in range(chunks[c, CELL_LO] if rows == NULL else job_starts[g],
+                               chunks[c, CELL_HI] if rows == NULL else job_starts[g + 1]):
+                    o = indptr[k] if rows == NULL else out_indptr[order[k]]
+                    length = (indptr[k + 1] if rows == NULL else out_indptr[order[k] + 1]) - o
+                    kept = 0  # assigned here so that Cython makes it thread-private
+                    st = row_to_mapped_order(
+                        idx_out + o, val_out + o, length, col_map, <uint32_t>n_genes, &sorting,
+                        idx_out + o, val_out + o, &kept)
+                    if st != OK:
+                        detail[g] = k if rows == NULL else rows[order[k]]
+                        st = E_COL_MAP
+                        break
+            status[g] = st
+        free(chunk)
+        free_sort_scratch(&sorting)
+
+
+def _permutation_scratch(object col_map, int64_t n_genes, const int64_t[::1] indptr):
+    """``col_map`` checked to be a permutation of ``n_genes`` columns, as int32, and the sort
+    scratch a cell needs (its longest row, at most ``n_genes``)."""
+    col_map = np.asarray(col_map)
+    if (col_map.shape != (n_genes,) or n_genes == 0 or col_map.dtype.kind not in "iu"
+            or col_map.min() < 0 or np.bincount(col_map, minlength=n_genes).max() != 1):
+        raise ValueError(f"col_map must be a permutation of the tile's {n_genes} columns")
+    return col_map.astype(np.int32), min(n_genes, int(np.diff(np.asarray(indptr)).max()))
+
+
+def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
+                const int64_t[::1] indptr, const int64_t[:, ::1] exc, int64_t n_genes,
+                int32_t[::1] indices, value_t[::1] values, int n_threads, object where,
+                object col_map=None):
+    """Decode every chunk of a tile into ``indices`` and ``values`` (length >= nnz).
+
+    ``exc`` is the output of :func:`check_frames`. The caller owns ``indptr``. With
+    ``col_map``, a permutation of the ``n_genes`` columns, column ``j`` comes out as
+    ``col_map[j]`` and every cell sorted again (as :func:`permute_columns` would do after).
+    """
+    cdef Py_ssize_t n_chunks = chunks.shape[0]
+    cdef int64_t nnz = indptr[indptr.shape[0] - 1]
+    cdef const int32_t* map_p = NULL
+    cdef const int32_t[::1] map_v
+    cdef int64_t capacity = 0
+    if indices.shape[0] < nnz or values.shape[0] < nnz:
+        raise ValueError(f"output buffers hold {indices.shape[0]} / {values.shape[0]} entries, "
+                         f"the tile has {nnz} nonzeros")
+    if n_chunks == 0:
+        return
+    if col_map is not None:
+        map_v, capacity = _permutation_scratch(col_map, n_genes, indptr)
+        map_p = &map_v[0]
+    cdef bint split_streams = col_map is None
+    cdef Py_ssize_t n_jobs = 2 * n_chunks if split_streams else n_chunks
+    status = np.zeros(n_jobs, dtype=np.int32)
+    detail = np.zeros(n_jobs, dtype=np.int64)
+    cdef int32_t[::1] status_v = status
+    cdef int64_t[::1] detail_v = detail
+    cdef int64_t scratch_size = _max_scratch(chunks, exc, range(n_chunks))
+    cdef int32_t* idx_out = &indices[0] if indices.shape[0] else NULL
+    cdef value_t* val_out = &values[0] if values.shape[0] else NULL
+    contexts = _take_dctx(n_threads)
+    scratches = _take_scratch(n_threads, scratch_size)
+    cdef const size_t[::1] contexts_v = contexts
+    cdef const size_t[::1] scratches_v = scratches
+    try:
+        with nogil:
+            _decode_jobs(&blob[0], chunks, exc, n_genes, &indptr[0], NULL, NULL, NULL, NULL,
+                         n_jobs, split_streams, NULL, idx_out, val_out, &scratches_v[0],
+                         n_threads, &contexts_v[0], map_p, capacity, &status_v[0],
+                         &detail_v[0])
+    finally:
+        _give_back_dctx(contexts)
+        _give_back_scratch(scratches)
+    raise_status(status, detail, where, np.arange(n_jobs) >> 1 if split_streams else None)
+
+
+def gather_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
+                const int64_t[::1] indptr, const int64_t[:, ::1] exc, int64_t n_genes,
+                const int64_t[::1] rows, const int64_t[::1] order,
+                const int64_t[::1] group_chunks, const int64_t[::1] group_starts,
+                const int64_t[::1] out_indptr, int32_t[::1] indices, value_t[::1] values,
+                int n_threads, object where, object col_map=None):
+    """Decode the cells ``rows`` (any order, repeats allowed) into one CSR.
+
+    Only the chunks listed in ``group_chunks`` are decompressed, and only the output rows
+    ``order`` lists are written (all or some positions of ``rows``, grouped by chunk): group
+    ``g`` is ``order[group_starts[g]:group_starts[g + 1]]``, all in chunk ``group_chunks[g]``.
+    Output row ``j`` goes to ``out_indptr[j]:out_indptr[j + 1]``. With ``col_map`` (a
+    permutation of the columns) every written row is renumbered and sorted again.
+    """
+    cdef Py_ssize_t n_groups = group_chunks.shape[0]
+    cdef int64_t n_out = out_indptr[out_indptr.shape[0] - 1]
+    cdef const int32_t* map_p = NULL
+    cdef const int32_t[::1] map_v
+    cdef int64_t capacity = 0
+    if indices.shape[0] < n_out or values.shape[0] < n_out:
+        raise ValueError("output buffers are shorter than the gathered nonzeros")
+    cdef Py_ssize_t k
+    if (group_starts.shape[0] != n_groups + 1 or order.shape[0] > rows.shape[0]
+            or out_indptr.shape[0] != rows.shape[0] + 1):
+        raise ValueError("group_starts / order / out_indptr do not match group_chunks / rows")
+    for k in range(order.shape[0]):
+        if order[k] < 0 or order[k] >= rows.shape[0]:
+            raise ValueError(f"order[{k}] = {order[k]} is not a position in rows")
+    if n_groups == 0:
+        return
+    if col_map is not None:
+        map_v, capacity = _permutation_scratch(col_map, n_genes, indptr)
+        map_p = &map_v[0]
+    status = np.zeros(n_groups, dtype=np.int32)
+    detail = np.zeros(n_groups, dtype=np.int64)
+    cdef int32_t[::1] status_v = status
+    cdef int64_t[::1] detail_v = detail
+    cdef int64_t scratch_size = _max_scratch(chunks, exc, group_chunks)
+    cdef int32_t* idx_out = &indices[0] if indices.shape[0] else NULL
+    cdef value_t* val_out = &values[0] if values.shape[0] else NULL
+    contexts = _take_dctx(n_threads)
+    scratches = _take_scratch(n_threads, scratch_size)
+    cdef const size_t[::1] contexts_v = contexts
+    cdef const size_t[::1] scratches_v = scratches
+    try:
+        with nogil:
+            _decode_jobs(&blob[0], chunks, exc, n_genes, &indptr[0], &rows[0], &order[0],
+                         &group_chunks[0], &group_starts[0], n_groups, False, &out_indptr[0],
+                         idx_out, val_out, &scratches_v[0], n_threads, &contexts_v[0], map_p,
+                         capacity, &status_v[0], &detail_v[0])
+    finally:
+        _give_back_dctx(contexts)
+        _give_back_scratch(scratches)
+    raise_status(status, detail, where, np.asarray(group_chunks))
+
+
+def decompress_only(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, int n_threads):
+    """Decompress the gaps and values frames of every chunk and do nothing else.
+
+    The speed limit for :func:`decode_into`: the same frames through the same libzstd into
+    per-thread buffers from the same pool, as the same jobs (one per frame), with no
+    post-processing. Returns the decompressed byte count.
+    """
+    cdef Py_ssize_t n_chunks = chunks.shape[0]
+    cdef Py_ssize_t c, g
+    cdef int which
+    cdef int64_t n, total = 0, largest = 8
+    cdef size_t got
+    cdef int failed = 0
+    cdef ZSTD_DCtx* dctx = NULL  # set per thread; initialized so the firstprivate copy is defined
+    cdef uint8_t* scratch = NULL
+    cdef const uint8_t* base = &blob[0]
+    for c in range(n_chunks):
+        largest = max(largest, 2 * (chunks[c, NNZ_HI] - chunks[c, NNZ_LO]))
+    contexts = _take_dctx(n_threads)
+    scratches = _take_scratch(n_threads, largest)
+    cdef const size_t[::1] contexts_v = contexts
+    cdef const size_t[::1] scratches_v = scratches
+    with nogil, parallel(num_threads=n_threads):
+        dctx = <ZSTD_DCtx*>contexts_v[threadid()]
+        scratch = <uint8_t*>scratches_v[threadid()]
+        for g in prange(2 * n_chunks, schedule="dynamic"):
+            c = g >> 1
+            which = g & 1
+            n = chunks[c, NNZ_HI] - chunks[c, NNZ_LO]
+            got = ZSTD_decompressDCtx(dctx, scratch, 2 * n, base + chunks[c, 4 + 2 * which],
+                                      chunks[c, 5 + 2 * which])
+            if ZSTD_isError(got):
+                failed += 1
+            total += 2 * n
+    _give_back_dctx(contexts)
+    _give_back_scratch(scratches)
+    if failed:
+        raise FormatError("zstd decompression failed")
+    return total

@@ -1,0 +1,52 @@
+"""Type stubs for the compiled kernels of _rows.pyx."""
+
+import numpy as np
+from numpy.typing import NDArray
+
+def remap_columns(
+    indptr: NDArray[np.int64],
+    indices: NDArray[np.int32],
+    data: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
+    col_map: NDArray[np.int64],
+    n_out_cols: int,
+    n_threads: int = 1,
+) -> tuple[NDArray[np.int64], NDArray[np.int32], NDArray[np.generic]]: ...
+def permute_columns(
+    indptr: NDArray[np.int64],
+    indices: NDArray[np.int32],
+    data: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
+    col_map: NDArray[np.int64],
+    n_threads: int = 1,
+) -> None: ...
+def take_rows_into(
+    indptr: NDArray[np.int64],
+    indices: NDArray[np.int32],
+    data: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
+    rows: NDArray[np.int64],
+    positions: NDArray[np.int64],
+    out_indptr: NDArray[np.int64],
+    out_indices: NDArray[np.int32],
+    out_data: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
+    col_map: NDArray[np.int64] | None = None,
+    n_threads: int = 1,
+    sort: bool = True,
+) -> None: ...
+def normalize_rows(
+    indptr: NDArray[np.int64],
+    data: NDArray[np.float32] | NDArray[np.float64],
+    totals: NDArray[np.float64],
+    target_sum: float,
+    log1p: bool,
+    n_threads: int = 1,
+) -> None: ...
+def row_sums(
+    indptr: NDArray[np.int64],
+    data: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
+    n_threads: int = 1,
+) -> NDArray[np.float64]: ...
+def kept_per_row(
+    indptr: NDArray[np.int64],
+    indices: NDArray[np.int32],
+    col_map: NDArray[np.int64],
+    n_threads: int = 1,
+) -> NDArray[np.int64]: ...

@@ -1,0 +1,299 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Rows of decoded matrices: column renumbering and sorting (writer gene order and joins,
+reader source order), minibatch rows taken from tiles, per-cell normalisation and sums."""
+
+from cython.parallel cimport parallel, prange
+from libc.stdint cimport int32_t, int64_t, uint32_t
+from cython cimport floating
+from libc.math cimport log1p as c_log1p
+from libc.string cimport memcpy
+
+import numpy as np
+
+from deltacells.codec._common cimport (
+    value_t,
+    OK,
+    E_NOMEM,
+    E_CELL_RANGE,
+    E_ZERO_GAP,
+)
+from deltacells.codec._rowsort cimport (
+    SortScratch,
+    free_sort_scratch,
+    new_sort_scratch,
+    row_to_mapped_order,
+)
+
+
+cdef inline int _row_mapped_unsorted(const int32_t* idx, const value_t* val, int64_t n,
+                                     const int32_t* col_map, uint32_t n_map, int32_t* out_idx,
+                                     value_t* out_val, int64_t room) noexcept nogil:
+    """Renumber one row's columns through ``col_map`` (-1 drops) keeping their order; the kept
+    entries must fill ``room`` exactly."""
+    cdef int64_t i, o = 0
+    cdef int32_t c
+    for i in range(n):
+        if <uint32_t>idx[i] >= n_map:
+            return E_CELL_RANGE
+        c = col_map[idx[i]]
+        if c < 0:
+            continue
+        if o >= room:
+            return E_CELL_RANGE
+        out_idx[o] = c
+        out_val[o] = val[i]
+        o += 1
+    return OK if o == room else E_CELL_RANGE
+
+
+cdef enum:
+    ROWS_PER_BLOCK = 256
+
+
+cdef void _remap_rows(const int64_t* indptr, const int32_t* indices, const value_t* data,
+                      const int32_t* col_map, int64_t n_map, int64_t capacity,
+                      Py_ssize_t n_rows, const int64_t* out_indptr, int32_t* out_indices,
+                      value_t* out_data, int n_threads, int32_t* status,
+                      int64_t* bad_row) noexcept nogil:
+    """``row_to_mapped_order`` over blocks of ``ROWS_PER_BLOCK`` rows in parallel, with
+    per-thread scratch of ``capacity`` entries; block ``b`` stops at its first bad row and
+    records it in ``status[b]`` / ``bad_row[b]``."""
+    cdef Py_ssize_t block, n_blocks = (n_rows + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
+    cdef int64_t r, kept
+    cdef int st
+    cdef SortScratch sorting
+    with parallel(num_threads=n_threads):
+        sorting = new_sort_scratch(capacity, sizeof(value_t) == 8)
+        for block in prange(n_blocks, schedule="dynamic"):
+            if not sorting.ready:
+                status[block] = E_NOMEM
+                continue
+            for r in range(block * ROWS_PER_BLOCK, min(n_rows, (block + 1) * ROWS_PER_BLOCK)):
+                kept = 0  # assigned here so that Cython makes it thread-private
+                st = row_to_mapped_order(
+                    indices + indptr[r], data + indptr[r], indptr[r + 1] - indptr[r], col_map,
+                    <uint32_t>n_map, &sorting, out_indices + out_indptr[r],
+                    out_data + out_indptr[r], &kept)
+                if st == OK and kept != out_indptr[r + 1] - out_indptr[r]:
+                    st = E_CELL_RANGE
+                if st != OK:
+                    status[block] = st
+                    bad_row[block] = r
+                    break
+        free_sort_scratch(&sorting)
+
+
+def _run_remap(const int64_t[::1] indptr, const int32_t[::1] indices, const value_t[::1] data,
+               const int64_t[::1] col_map, int64_t n_out_cols, const int64_t[::1] out_indptr,
+               int32_t[::1] out_indices, value_t[::1] out_data, int n_threads):
+    """Run ``_remap_rows`` and raise for the lowest failing row (thread-count independent)."""
+    cdef Py_ssize_t n_rows = indptr.shape[0] - 1
+    if n_rows <= 0 or indptr[n_rows] == 0:
+        return
+    col_map32 = np.asarray(col_map).astype(np.int32)
+    if col_map.shape[0] >= 2**31 or (col_map.shape[0] and np.asarray(col_map).max() >= n_out_cols):
+        raise ValueError(f"col_map sends a column to n_out_cols = {n_out_cols} or beyond")
+    cdef const int32_t[::1] col_map_v = col_map32
+    # Scratch for the longest row, or for one entry per output column: a row keeping more
+    # entries than that maps two columns to one place.
+    cdef int64_t capacity = min(n_out_cols, int(np.diff(np.asarray(indptr)).max()))
+    n_blocks = (n_rows + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
+    status = np.zeros(n_blocks, dtype=np.int32)
+    bad_row = np.zeros(n_blocks, dtype=np.int64)
+    cdef int32_t[::1] status_v = status
+    cdef int64_t[::1] bad_row_v = bad_row
+    cdef int32_t* idx_out = &out_indices[0] if out_indices.shape[0] else NULL
+    cdef value_t* val_out = &out_data[0] if out_data.shape[0] else NULL
+    with nogil:
+        _remap_rows(&indptr[0], &indices[0], &data[0], &col_map_v[0], col_map.shape[0],
+                    capacity, n_rows, &out_indptr[0], idx_out, val_out, n_threads,
+                    &status_v[0], &bad_row_v[0])
+    failed = np.flatnonzero(status)
+    if failed.size == 0:
+        return
+    st, row = status[failed[0]], bad_row[failed[0]]
+    if st == E_NOMEM:
+        raise MemoryError("no memory for the column permutation scratch")
+    if st == E_ZERO_GAP:
+        raise ValueError(f"col_map sends two columns of row {row} to the same place")
+    raise ValueError(f"row {row} has a column index outside col_map or a dropped column")
+
+
+def remap_columns(const int64_t[::1] indptr, const int32_t[::1] indices,
+                  const value_t[::1] data, const int64_t[::1] col_map, int64_t n_out_cols,
+                  int n_threads=1):
+    """Move the columns of a canonical CSR block to ``col_map[j]`` (``-1``: drop the column).
+
+    Each row comes out sorted; rows run in parallel on ``n_threads``. The values keep their
+    dtype (int32, float32 or float64). ``col_map`` must not send two kept columns to one place.
+
+    Returns
+    -------
+    tuple
+        ``(indptr, indices, data)``: ``int64``, ``int32`` and ``data``'s dtype.
+    """
+    cdef Py_ssize_t n_rows = indptr.shape[0] - 1
+    cdef int64_t nnz = indptr[n_rows] if n_rows >= 0 else 0
+    if n_rows < 0 or indices.shape[0] < nnz or data.shape[0] < nnz:
+        raise ValueError("indptr does not match indices / data")
+    out_indptr = np.zeros(n_rows + 1, dtype=np.int64)
+    np.cumsum(kept_per_row(indptr, indices, col_map, n_threads), out=out_indptr[1:])
+    out_indices = np.empty(out_indptr[n_rows], dtype=np.int32)
+    out_data = np.empty(out_indptr[n_rows], dtype=np.asarray(data).dtype)
+    _run_remap(indptr, indices, data, col_map, n_out_cols, out_indptr, out_indices, out_data,
+               n_threads)
+    return out_indptr, out_indices, out_data
+
+
+def permute_columns(const int64_t[::1] indptr, int32_t[::1] indices, value_t[::1] data,
+                    const int64_t[::1] col_map, int n_threads=1):
+    """Renumber the columns of a canonical CSR matrix in place through the permutation
+    ``col_map`` and sort every row again (rows in parallel on ``n_threads``)."""
+    cdef Py_ssize_t n_rows = indptr.shape[0] - 1
+    if n_rows < 0 or indices.shape[0] < indptr[n_rows] or data.shape[0] < indptr[n_rows]:
+        raise ValueError("indptr does not match indices / data")
+    _run_remap(indptr, indices, data, col_map, col_map.shape[0], indptr, indices, data,
+               n_threads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Minibatches (loader): rows taken from decoded tiles, optional per-cell normalisation
+
+
+def take_rows_into(const int64_t[::1] indptr, const int32_t[::1] indices,
+                   const value_t[::1] data, const int64_t[::1] rows,
+                   const int64_t[::1] positions, const int64_t[::1] out_indptr,
+                   int32_t[::1] out_indices, value_t[::1] out_data, object col_map=None,
+                   int n_threads=1, bint sort=True):
+    """Copy rows of a CSR matrix into given rows of another, optionally moving columns.
+
+    Output row ``j = positions[k]`` receives input row ``rows[j]`` at
+    ``out_indptr[j]:out_indptr[j + 1]``, which must be exactly as long as what it receives.
+    With ``col_map`` (int64, -1 drops a column) every row is renumbered and sorted again as in
+    :func:`remap_columns`, or, with ``sort=False``, renumbered in place order (for outputs made
+    dense, where order does not matter); rows run in parallel on ``n_threads``.
+    """
+    cdef Py_ssize_t n_in = indptr.shape[0] - 1, n_pos = positions.shape[0], k
+    cdef int64_t j, r, length, kept, n_map = 0, n_cols = 0, longest = 0, capacity
+    cdef int32_t* idx_out = &out_indices[0] if out_indices.shape[0] else NULL
+    cdef value_t* val_out = &out_data[0] if out_data.shape[0] else NULL
+    cdef const int32_t* map_p = NULL
+    cdef const int32_t[::1] map_v
+    if out_indptr.shape[0] != rows.shape[0] + 1:
+        raise ValueError("out_indptr must have one entry more than rows")
+    for k in range(n_pos):
+        j = positions[k]
+        if j < 0 or j >= rows.shape[0] or rows[j] < 0 or rows[j] >= n_in:
+            raise ValueError(f"positions[{k}] or the row it names is out of range")
+        if out_indptr[j] < 0 or out_indptr[j + 1] > out_indices.shape[0]:
+            raise ValueError(f"output row {j} lies outside the output buffers")
+        length = indptr[rows[j] + 1] - indptr[rows[j]]
+        longest = max(longest, length)
+        if col_map is None and out_indptr[j + 1] - out_indptr[j] != length:
+            raise ValueError(f"output row {j} does not have the length of input row {rows[j]}")
+    if out_data.shape[0] < out_indices.shape[0]:
+        raise ValueError("out_data is shorter than out_indices")
+    if col_map is not None:
+        col_map = np.asarray(col_map, dtype=np.int64)
+        n_map = col_map.shape[0]
+        if n_map == 0:
+            raise ValueError("col_map is empty")
+        n_cols = int(col_map.max()) + 1
+        map_v = col_map.astype(np.int32)
+        map_p = &map_v[0]
+    status = np.zeros(max(n_pos, 1), dtype=np.int32)
+    cdef int32_t[::1] status_v = status
+    cdef SortScratch sorting
+    capacity = min(n_cols, longest) if map_p != NULL and sort else 0
+    if n_pos == 0:
+        return
+    with nogil, parallel(num_threads=n_threads):
+        sorting = new_sort_scratch(capacity, sizeof(value_t) == 8)
+        for k in prange(n_pos, schedule="dynamic", chunksize=64):
+            j = positions[k]
+            r = rows[j]
+            length = indptr[r + 1] - indptr[r]
+            if map_p == NULL:
+                memcpy(idx_out + out_indptr[j], &indices[indptr[r]], length * sizeof(int32_t))
+                memcpy(val_out + out_indptr[j], &data[indptr[r]], length * sizeof(value_t))
+            elif not sort:
+                status_v[k] = _row_mapped_unsorted(
+                    &indices[indptr[r]], &data[indptr[r]], length, map_p, <uint32_t>n_map,
+                    idx_out + out_indptr[j], val_out + out_indptr[j],
+                    out_indptr[j + 1] - out_indptr[j])
+            elif not sorting.ready:
+                status_v[k] = E_NOMEM
+            else:
+                kept = 0  # assigned here so that Cython makes it thread-private
+                status_v[k] = row_to_mapped_order(
+                    &indices[indptr[r]], &data[indptr[r]], length, map_p, <uint32_t>n_map,
+                    &sorting, idx_out + out_indptr[j], val_out + out_indptr[j], &kept)
+                if status_v[k] == OK and kept != out_indptr[j + 1] - out_indptr[j]:
+                    status_v[k] = E_CELL_RANGE
+        free_sort_scratch(&sorting)
+    failed = np.flatnonzero(status)
+    if failed.size:
+        if status[failed[0]] == E_NOMEM:
+            raise MemoryError("no memory for the column scratch")
+        raise ValueError(f"row {rows[positions[failed[0]]]}: columns outside col_map, two "
+                         "mapped to one place, or an output row of the wrong length")
+
+
+def normalize_rows(const int64_t[::1] indptr, floating[::1] data, const double[::1] totals,
+                   double target_sum, bint log1p, int n_threads=1):
+    """In place, per row ``r``: ``x * target_sum / totals[r]`` (rows with a total of 0 are
+    left alone, as scanpy's ``normalize_total`` does; ``target_sum <= 0`` scales nothing),
+    then ``log1p(x)`` if asked; rows run in parallel. Arithmetic in float64, stored in
+    ``data``'s dtype."""
+    cdef Py_ssize_t n_rows = indptr.shape[0] - 1, r
+    cdef int64_t i
+    cdef double scale
+    if totals.shape[0] != n_rows or (n_rows > 0 and data.shape[0] < indptr[n_rows]):
+        raise ValueError("totals / data do not match indptr")
+    with nogil:
+        for r in prange(n_rows, num_threads=n_threads, schedule="static"):
+            scale = target_sum / totals[r] if totals[r] > 0 and target_sum > 0 else 1.0
+            for i in range(indptr[r], indptr[r + 1]):
+                if log1p:
+                    data[i] = <floating>c_log1p(data[i] * scale)
+                else:
+                    data[i] = <floating>(data[i] * scale)
+
+
+def row_sums(const int64_t[::1] indptr, const value_t[::1] data, int n_threads=1):
+    """Per-row sums of a CSR matrix's values, in float64 (exact for counts)."""
+    cdef Py_ssize_t n_rows = indptr.shape[0] - 1, r
+    cdef int64_t i
+    cdef double total
+    if n_rows < 0 or (n_rows > 0 and data.shape[0] < indptr[n_rows]):
+        raise ValueError("data does not match indptr")
+    out = np.zeros(max(n_rows, 0), dtype=np.float64)
+    cdef double[::1] out_v = out
+    with nogil:
+        for r in prange(n_rows, num_threads=n_threads, schedule="static"):
+            total = 0
+            for i in range(indptr[r], indptr[r + 1]):
+                total = total + data[i]
+            out_v[r] = total
+    return out
+
+
+def kept_per_row(const int64_t[::1] indptr, const int32_t[::1] indices,
+                 const int64_t[::1] col_map, int n_threads=1):
+    """Per row, how many of its columns ``col_map`` keeps (maps to >= 0)."""
+    cdef Py_ssize_t n_rows = indptr.shape[0] - 1, r
+    cdef int64_t i, kept, n_map = col_map.shape[0]
+    if n_rows < 0 or (n_rows > 0 and indices.shape[0] < indptr[n_rows]):
+        raise ValueError("indices do not match indptr")
+    for i in range(indptr[n_rows] if n_rows > 0 else 0):
+        if indices[i] < 0 or indices[i] >= n_map:
+            raise ValueError(f"column index {indices[i]} outside col_map")
+    out = np.zeros(max(n_rows, 0), dtype=np.int64)
+    cdef int64_t[::1] out_v = out
+    with nogil:
+        for r in prange(n_rows, num_threads=n_threads, schedule="static"):
+            kept = 0
+            for i in range(indptr[r], indptr[r + 1]):
+                kept = kept + (col_map[indices[i]] >= 0)
+            out_v[r] = kept
+    return out

@@ -1,0 +1,58 @@
+"""Sorting one row's columns after renumbering them, shared by the decoder (reads in the
+source gene order) and the row kernels (writer gene order, joins, minibatches)."""
+
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc
+
+from deltacells.codec._common cimport E_CELL_RANGE, E_ZERO_GAP, OK, dc_row_sort, value_t
+
+
+cdef struct SortScratch:
+    # One thread's scratch for ``row_to_mapped_order``: rows of up to ``capacity`` entries.
+    uint64_t* keys
+    uint64_t* spare
+    double* held  # float64 values wait here (the keys carry their positions); else NULL
+    int64_t capacity
+    bint ready  # every buffer it needs was allocated
+
+
+cdef inline SortScratch new_sort_scratch(int64_t capacity, bint hold_values) noexcept nogil:
+    """Allocate one thread's sort scratch (check ``.ready``; free with ``free_sort_scratch``)."""
+    cdef SortScratch s
+    s.capacity = capacity
+    s.keys = <uint64_t*>malloc((capacity + 1) * sizeof(uint64_t))
+    s.spare = <uint64_t*>malloc((capacity + 1) * sizeof(uint64_t))
+    s.held = <double*>malloc((capacity + 1) * sizeof(double)) if hold_values else NULL
+    s.ready = s.keys != NULL and s.spare != NULL and (s.held != NULL or not hold_values)
+    return s
+
+
+cdef inline void free_sort_scratch(SortScratch* s) noexcept nogil:
+    free(s.keys)
+    free(s.spare)
+    free(s.held)
+
+
+cdef inline int row_to_mapped_order(const int32_t* idx, const value_t* val, int64_t n,
+                                    const int32_t* col_map, uint32_t n_map, SortScratch* s,
+                                    int32_t* out_idx, value_t* out_val,
+                                    int64_t* kept) noexcept nogil:
+    """Move one row's columns through ``col_map`` (-1 drops) and write them sorted
+    (``dc_row_sort``, in place if ``out_* == idx/val``), in a thread's scratch ``s``
+    (made with ``hold_values`` for float64).
+
+    Returns E_CELL_RANGE for a column outside col_map (row untouched) and E_ZERO_GAP for two
+    columns mapped to one (the row may be partly rewritten; callers raise).
+    """
+    cdef int st
+    if value_t is double:
+        st = dc_row_sort(idx, NULL, val, n, col_map, n_map, s.keys, s.spare, s.held,
+                         s.capacity, out_idx, NULL, out_val, kept)
+    else:  # int32 and float32 travel as their 32 bits
+        st = dc_row_sort(idx, <const uint32_t*>val, NULL, n, col_map, n_map, s.keys, s.spare,
+                         NULL, s.capacity, out_idx, <uint32_t*>out_val, NULL, kept)
+    if st == 1:
+        return E_CELL_RANGE
+    if st == 2:
+        return E_ZERO_GAP
+    return OK

@@ -1,0 +1,740 @@
+"""Shuffled minibatches of cells for training: :class:`Loader` and its PyTorch adapter.
+
+An epoch is planned from ``(seed, epoch)`` alone, so every rank and worker derives the same
+plan without talking to the others (:class:`EpochPlan` draws it a buffer at a time, so its
+memory grows with tiles, not cells):
+
+1. the order of cells: ``"tiles"`` shuffles the tile order, groups it into buffers of
+   ``buffer_tiles`` tiles and shuffles cells within each buffer; ``"cells"`` is one random
+   permutation of all cells; ``"none"`` keeps the stored order;
+2. ranks: the order is cut into ``world_size`` contiguous, equally long parts (padded by
+   wrapping around to the start of the order, or shortened with ``drop_last``), so every rank
+   yields the same number of batches and, in ``"tiles"`` mode, decodes only its own tiles;
+3. batches: each part is cut into batches of ``batch_size`` cells, and the batches of a rank
+   are split into contiguous runs, one per DataLoader worker.
+
+A background thread builds the next batches while the consumer works: it decodes each tile a
+batch needs once into a small cache of decoded tiles (``"tiles"`` / ``"none"``), or gathers
+only the chunks of the compressed tiles that a batch's cells live in (``"cells"``, where every
+batch touches every tile).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+from numpy.typing import DTypeLike
+
+from deltacells.codec import _rows
+from deltacells.codec.threads import effective_n_threads
+from deltacells.codec.tile import Tile, _value_dtype, empty_output
+from deltacells.read.dataset import Dataset, gather_cells, group_by_tile, open_dataset
+from deltacells.read.obscache import ObsCache
+from deltacells.store.manifest import tile_name
+
+__all__ = ["Batch", "BatchRuns", "EpochPlan", "Loader", "plan_epoch", "split_batches"]
+
+SHUFFLE_MODES = ("tiles", "cells", "none")
+OUTPUTS = ("scipy", "numpy", "torch", "torch_dense")
+
+
+class EpochPlan:
+    """An epoch's order of cells, made one buffer at a time.
+
+    Its memory grows with the number of tiles, not of cells: a buffer's shuffled cells are
+    drawn when a batch first asks for them (from ``(seed, epoch, buffer)``), so an epoch over
+    100M cells is planned in a few MB, as one over 100k. ``shuffle="cells"`` is the exception:
+    it holds one permutation of all cells (8 bytes per cell).
+
+    Seeds: the tile order of epoch ``e`` comes from ``numpy.random.default_rng([seed, e, 0])``
+    and the order of cells within buffer ``k`` from ``default_rng([seed, e, 1, k])``, so every
+    rank and worker derives the same plan without talking to the others.
+    """
+
+    #: Buffers whose shuffled cells are kept (a batch straddles at most a few).
+    KEPT_BUFFERS = 4
+
+    def __init__(self, tile_cells: Sequence[int], *, shuffle: str, buffer_tiles: int, seed: int,
+                 epoch: int) -> None:  # fmt: skip
+        if shuffle not in SHUFFLE_MODES:
+            raise ValueError(f"shuffle must be one of {SHUFFLE_MODES}, not {shuffle!r}")
+        if buffer_tiles < 1:
+            raise ValueError("buffer_tiles must be at least 1")
+        counts = np.asarray(tile_cells, dtype=np.int64)
+        self.shuffle, self.seed, self.epoch = shuffle, int(seed), int(epoch)
+        self.n_tiles = len(counts)
+        self._tile_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.n_cells = int(self._tile_starts[-1])
+        self._permutation: np.ndarray | None = None
+        if shuffle == "tiles":
+            self.tile_order = np.random.default_rng([self.seed, self.epoch, 0]).permutation(
+                self.n_tiles
+            )
+            self.buffer_tiles = buffer_tiles
+        else:
+            self.tile_order = np.arange(self.n_tiles)
+            self.buffer_tiles = 1
+            if shuffle == "cells":
+                rng = np.random.default_rng([self.seed, self.epoch, 0])
+                self._permutation = rng.permutation(self.n_cells).astype(np.int64)
+        sizes = counts[self.tile_order]
+        per_buffer = (np.add.reduceat(sizes, np.arange(0, self.n_tiles, self.buffer_tiles))
+                      if self.n_tiles else np.zeros(0, dtype=np.int64))  # fmt: skip
+        #: Position in the order where each buffer starts (and one past the last).
+        self.buffer_starts = np.concatenate([[0], np.cumsum(per_buffer)]).astype(np.int64)
+        self._kept: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def buffer(self, k: int) -> np.ndarray:
+        """The cells of buffer ``k`` in the order the epoch visits them."""
+        cells = self._kept.get(k)
+        if cells is not None:
+            self._kept.move_to_end(k)
+            return cells
+        tiles = self.buffer_tiles_of(k)
+        starts = self._tile_starts
+        ranges = [np.arange(starts[t], starts[t + 1], dtype=np.int64) for t in tiles]
+        cells = np.concatenate(ranges) if ranges else np.zeros(0, dtype=np.int64)
+        if self.shuffle == "tiles":
+            cells = np.random.default_rng([self.seed, self.epoch, 1, k]).permutation(cells)
+        self._kept[k] = cells
+        while len(self._kept) > self.KEPT_BUFFERS:
+            self._kept.popitem(last=False)
+        return cells
+
+    def buffer_tiles_of(self, k: int) -> np.ndarray:
+        """The tiles buffer ``k`` mixes."""
+        return self.tile_order[k * self.buffer_tiles : (k + 1) * self.buffer_tiles]
+
+    def _segments(self, start: int, stop: int) -> Iterator[tuple[int, int]]:
+        """Positions ``start:stop`` as pieces of the order, positions past its end wrapping
+        around to its start (the padding of :func:`split_batches`)."""
+        n = self.n_cells
+        while start < stop and n:
+            real = start % n
+            take = min(stop - start, n - real)
+            yield real, real + take
+            start += take
+
+    def cells(self, start: int, stop: int) -> np.ndarray:
+        """The cells at positions ``start:stop`` of the order (wrapping past its end)."""
+        pieces = []
+        for a, b in self._segments(start, stop):
+            if self._permutation is not None:
+                pieces.append(self._permutation[a:b])
+                continue
+            first = int(np.searchsorted(self.buffer_starts, a, side="right")) - 1
+            last = int(np.searchsorted(self.buffer_starts, b - 1, side="right")) - 1
+            for k in range(first, last + 1):
+                base = int(self.buffer_starts[k])
+                lo, hi = max(a, base) - base, min(b, int(self.buffer_starts[k + 1])) - base
+                pieces.append(self.buffer(k)[lo:hi])
+        if not pieces:
+            return np.zeros(0, dtype=np.int64)
+        return pieces[0].copy() if len(pieces) == 1 else np.concatenate(pieces)
+
+    def tiles_at(self, start: int, stop: int) -> list[int]:
+        """Tiles whose cells may be at positions ``start:stop`` (all tiles with
+        ``shuffle="cells"``), in the order of the buffers."""
+        if self._permutation is not None:
+            return list(range(self.n_tiles))
+        out: list[int] = []
+        for a, b in self._segments(start, stop):
+            first = int(np.searchsorted(self.buffer_starts, a, side="right")) - 1
+            last = int(np.searchsorted(self.buffer_starts, b - 1, side="right")) - 1
+            for k in range(first, last + 1):
+                out.extend(sorted(int(t) for t in self.buffer_tiles_of(k)))
+        return out
+
+
+def plan_epoch(
+    tile_cells: Sequence[int],
+    *,
+    shuffle: str,
+    buffer_tiles: int,
+    seed: int,
+    epoch: int,
+) -> np.ndarray:
+    """The order in which an epoch visits all cells (global positions, each once).
+
+    Deterministic in ``(seed, epoch)``; see the module docstring for the modes and
+    :class:`EpochPlan` for the seeds. This materialises the whole order (8 bytes per cell);
+    the :class:`Loader` draws it a buffer at a time instead.
+    """
+    plan = EpochPlan(tile_cells, shuffle=shuffle, buffer_tiles=buffer_tiles, seed=seed,
+                     epoch=epoch)  # fmt: skip
+    return plan.cells(0, plan.n_cells)
+
+
+def split_batches(
+    order: np.ndarray,
+    batch_size: int,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    worker: tuple[int, int] = (0, 1),
+    drop_last: bool = False,
+) -> list[np.ndarray]:
+    """The batches of one rank and worker in an epoch's ``order`` of cells.
+
+    The order is cut into ``world_size`` contiguous, equally long parts (the shorter ones padded
+    by wrapping around to the start of the order, or all cut to the shortest with
+    ``drop_last``), each part into batches of ``batch_size`` (the last one short unless
+    ``drop_last``), and a rank's batches into contiguous runs for ``worker = (id, count)``,
+    the first runs one batch longer when they do not divide.
+    """
+    runs = BatchRuns(_GivenOrder(np.asarray(order)), batch_size, rank=rank,
+                     world_size=world_size, worker=worker, drop_last=drop_last)  # fmt: skip
+    return [runs[i] for i in range(len(runs))]
+
+
+class _GivenOrder:
+    """An order of cells already in memory, read as :class:`BatchRuns` reads a plan."""
+
+    def __init__(self, order: np.ndarray) -> None:
+        self.order, self.n_cells = order, len(order)
+
+    def cells(self, start: int, stop: int) -> np.ndarray:
+        """Positions ``start:stop``, wrapping past the end (the padding of the ranks)."""
+        return self.order[np.arange(start, stop) % self.n_cells]
+
+
+class BatchRuns(Sequence):
+    """One rank's (and worker's) batches of an :class:`EpochPlan`, cut as
+    :func:`split_batches` documents, each drawn from the plan when asked for."""
+
+    def __init__(self, plan: EpochPlan, batch_size: int, *, rank: int = 0, world_size: int = 1,
+                 worker: tuple[int, int] = (0, 1), drop_last: bool = False) -> None:  # fmt: skip
+        n = plan.n_cells
+        length = n // world_size if drop_last else -(-n // world_size)
+        n_batches = length // batch_size if drop_last else -(-length // batch_size)
+        worker_id, n_workers = worker
+        base, extra = divmod(n_batches, n_workers)
+        first = worker_id * base + min(worker_id, extra)
+        self.plan, self.batch_size = plan, batch_size
+        self._part_start, self._part_stop = rank * length, (rank + 1) * length
+        self._first, self._count = first, base + (worker_id < extra)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def bounds(self, i: int) -> tuple[int, int]:
+        """Positions in the (padded) order of batch ``i``."""
+        if not 0 <= i < self._count:
+            raise IndexError(i)
+        start = self._part_start + (self._first + i) * self.batch_size
+        return start, min(start + self.batch_size, self._part_stop)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._count))]
+        return self.plan.cells(*self.bounds(i))
+
+
+@dataclass
+class Batch:
+    """One minibatch.
+
+    Attributes
+    ----------
+    X
+        ``batch_size`` x genes: scipy CSR, numpy dense, or a torch sparse CSR / dense tensor.
+    cells
+        Global positions of the cells (rows of the dataset as stored).
+    obs
+        Requested obs columns: category codes (int32, -1 for missing), numbers (NaN for
+        missing) or booleans (float32 with NaN when some are missing).
+    """
+
+    X: Any
+    cells: np.ndarray
+    obs: dict[str, np.ndarray]
+
+
+class _DecodedTile:
+    """A whole tile decoded once, with per-row totals and kept-column counts for batches."""
+
+    def __init__(self, tile: Tile, dtype: np.dtype, col_map: np.ndarray | None, totals: bool,
+                 n_threads: int, out: tuple[np.ndarray, np.ndarray]) -> None:  # fmt: skip
+        self.buffers = out
+        self.matrix = tile.decode(dtype, n_threads=n_threads, out=out)
+        self.indptr = self.matrix.indptr.astype(np.int64, copy=False)
+        # Library sizes over all genes, before any are dropped (only when normalising).
+        self.totals = (
+            _rows.row_sums(self.indptr, self.matrix.data, n_threads) if totals else None
+        )
+        if col_map is None:
+            self.lengths = np.diff(self.indptr)
+        else:
+            self.lengths = _rows.kept_per_row(self.indptr, self.matrix.indices, col_map,
+                                                 n_threads)  # fmt: skip
+        self.nbytes = self.matrix.data.nbytes + self.matrix.indices.nbytes
+
+
+class Loader:
+    """Iterate minibatches of cells of a deltacells dataset, shuffled, sharded and prefetched.
+
+    Parameters
+    ----------
+    source
+        A dataset URL or path, or an opened :class:`~deltacells.Dataset`.
+    batch_size
+        Cells per batch.
+    shuffle
+        ``"tiles"`` (default: tile order shuffled, cells shuffled within buffers of
+        ``buffer_tiles`` tiles), ``"cells"`` (fully random; every batch touches every tile, so
+        it decodes far more per cell), ``"none"`` (stored order). ``True`` / ``False`` mean
+        ``"tiles"`` / ``"none"``.
+    seed
+        Seed of the epoch plans; epoch ``n`` uses ``(seed, n)`` (the exact generators are in
+        :class:`~deltacells.train.loader.EpochPlan`), so every rank and worker derives the
+        same plan.
+    buffer_tiles
+        Tiles whose cells are mixed together in ``"tiles"`` mode (default 2: 8,192 cells with
+        the default tile size, as many as annbatch's default preload). Decoded tiles are dropped as
+        soon as no later batch needs them, so about this many are held in memory (twice as
+        many while a batch straddles two buffers).
+    drop_last
+        Drop the cells that do not fill the ranks evenly and the last incomplete batch;
+        otherwise ranks are padded by wrapping around to the start of the epoch's order (a few
+        cells then appear twice in an epoch) and the last batch may be short.
+    rank, world_size
+        This process's shard (default: ``RANK`` / ``WORLD_SIZE`` from the environment, else
+        0 / 1). Every rank yields the same number of batches.
+    obs
+        obs columns to put in each batch (category codes or numbers, from the local cache).
+    genes
+        Gene subset: names, or a boolean mask / integer positions in ``var`` order. Columns
+        come out in the order given (masks: ``var`` order).
+    normalize
+        Target sum of per-cell library-size normalisation (counts over all genes, as
+        ``scanpy.pp.normalize_total(target_sum=...)``), or None.
+    log1p
+        Apply ``log1p`` after normalising (``scanpy.pp.log1p``).
+    output
+        ``"scipy"`` (CSR), ``"numpy"`` (dense), ``"torch"`` (sparse CSR tensor) or
+        ``"torch_dense"``; torch is an optional extra.
+    values_dtype
+        ``float32`` (default) or ``float64``; ``int32`` without normalisation.
+    column_order
+        ``"source"`` (genes in the order they were written, as ``read_deltacells``) or
+        ``"stored"`` (on-disk order, the fastest: rows are copied as decoded). Ignored when
+        ``genes`` is given.
+    prefetch
+        Batches built ahead of the consumer by the background thread.
+    prefetch_tiles
+        Tiles fetched ahead, in the order the epoch first needs them, while earlier ones
+        decode. ``None``: :data:`.REMOTE_TILES_IN_FLIGHT` for remote stores (enough requests in
+        flight to cover latency x bandwidth: 16 tiles of ~2.7 MB are 43 MB, more than a
+        200 ms, 150 MB/s link holds in flight; ``benchmarks/bench_remote.py`` sweeps it),
+        0 for local files (reading them is quick next to decoding).
+    tile_cache_bytes
+        Most bytes of compressed tiles kept in ``"cells"`` mode (every batch reads every tile).
+    n_threads
+        Decoding threads; ``None`` resolves like scikit-learn.
+    storage_options, cache_dir
+        fsspec options, and where obs columns are cached.
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike | Dataset,
+        *,
+        batch_size: int = 4096,
+        shuffle: str | bool = "tiles",
+        seed: int = 0,
+        buffer_tiles: int = 2,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        obs: Sequence[str] = (),
+        genes: Sequence[str] | np.ndarray | None = None,
+        normalize: float | None = None,
+        log1p: bool = False,
+        output: str = "scipy",
+        values_dtype: DTypeLike = np.float32,
+        column_order: str = "source",
+        prefetch: int = 2,
+        prefetch_tiles: int | None = None,
+        tile_cache_bytes: int = 256 * 2**20,
+        n_threads: int | None = None,
+        storage_options: dict | None = None,
+        cache_dir: str | os.PathLike | None = None,
+    ) -> None:
+        if isinstance(shuffle, bool):
+            shuffle = "tiles" if shuffle else "none"
+        if shuffle not in SHUFFLE_MODES:
+            raise ValueError(f"shuffle must be one of {SHUFFLE_MODES}, not {shuffle!r}")
+        if output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS}, not {output!r}")
+        if output.startswith("torch") and importlib.util.find_spec("torch") is None:
+            raise ImportError(f"output={output!r} needs torch: pip install 'deltacells[torch]'")
+        if batch_size < 1 or buffer_tiles < 1 or prefetch < 1:
+            raise ValueError("batch_size, buffer_tiles and prefetch must be at least 1")
+        if column_order not in ("source", "stored"):
+            raise ValueError(f"column_order must be 'source' or 'stored', not {column_order!r}")
+        self.dataset = (
+            source
+            if isinstance(source, Dataset)
+            else open_dataset(source, storage_options=storage_options)
+        )
+        self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
+        self.buffer_tiles, self.drop_last, self.prefetch = buffer_tiles, drop_last, prefetch
+        if prefetch_tiles is not None and prefetch_tiles < 0:
+            raise ValueError("prefetch_tiles must be >= 0")
+        self.prefetch_tiles = (prefetch_tiles if prefetch_tiles is not None
+                               else 0 if self.dataset.store.is_local
+                               else REMOTE_TILES_IN_FLIGHT)  # fmt: skip
+        self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world_size {self.world_size}")
+        self.normalize, self.log1p, self.output = normalize, log1p, output
+        self.dtype = _value_dtype(values_dtype)
+        if (normalize is not None or log1p) and self.dtype.kind != "f":
+            raise ValueError("normalize / log1p need a float values_dtype")
+        self.n_threads = n_threads
+        self.tile_cache_bytes = tile_cache_bytes
+        self.column_order = column_order
+        self._worker = (0, 1)  # (worker id, number of workers) within this rank
+        self.epoch = 0
+        self._batches_done = 0
+        self._col_map, self.var_names = self._columns(genes, column_order)
+        drops = self._col_map is not None and bool(np.any(self._col_map < 0))
+        self._drop_map = self._col_map if drops else None  # only a subset changes row lengths
+        self.obs_columns = list(obs)
+        self._obs = self._load_obs(self.obs_columns, cache_dir)
+        m = self.dataset.manifest
+        self._limits = m.limits  # one past each tile's last cell
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def _columns(self, genes, column_order: str) -> tuple[np.ndarray | None, np.ndarray]:
+        """``col_map`` from stored columns to output columns (-1: dropped), and the output's
+        gene names."""
+        n_genes = self.dataset.shape[1]
+        stored_names = self.dataset.var_names()
+        if stored_names is None:
+            var = self.dataset.var()
+            stored_names = (
+                [str(i) for i in range(n_genes)] if var is None else list(var.index.astype(str))
+            )
+        stored_names = np.asarray(stored_names, dtype=object)
+        order = self.dataset.gene_order()
+        to_source = np.arange(n_genes) if order is None else order  # stored j -> source column
+        source_names = np.empty(n_genes, dtype=object)
+        source_names[to_source] = stored_names
+        if genes is None:
+            if column_order == "stored" or order is None:
+                return None, stored_names
+            return to_source.astype(np.int64), source_names
+        wanted = np.asarray(genes)
+        if wanted.dtype == bool:
+            if wanted.shape != (n_genes,):
+                raise ValueError(f"gene mask of shape {wanted.shape} for {n_genes} genes")
+            wanted = np.flatnonzero(wanted)
+        if wanted.dtype.kind in "iu":
+            source_positions = wanted.astype(np.int64)
+            if source_positions.size and (
+                source_positions.min() < 0 or source_positions.max() >= n_genes
+            ):
+                raise IndexError("gene position out of range")
+        else:
+            lookup = {name: i for i, name in enumerate(source_names)}
+            missing = [g for g in wanted if g not in lookup]
+            if missing:
+                raise KeyError(f"genes not in the dataset: {missing[:5]}")
+            source_positions = np.array([lookup[g] for g in wanted], dtype=np.int64)
+        if len(np.unique(source_positions)) != len(source_positions):
+            raise ValueError("genes lists a gene twice")
+        output_of_source = np.full(n_genes, -1, dtype=np.int64)
+        output_of_source[source_positions] = np.arange(len(source_positions))
+        return output_of_source[to_source], source_names[source_positions]
+
+    def _load_obs(self, columns: list[str], cache_dir) -> dict[str, np.ndarray]:
+        if not columns:
+            return {}
+        cache = ObsCache(self.dataset.obs_part, cache_dir)
+        cache.localize(columns)
+        out = {}
+        for column in columns:
+            spec = cache.schema[column]
+            if spec.kind not in ("category", "numeric", "bool"):
+                raise ValueError(f"obs column {column!r} is {spec.kind}: batches carry category "
+                                 "codes and numbers only")  # fmt: skip
+            values = cache.column(column)
+            if spec.kind == "category":
+                out[column] = values.fill_null(-1).to_numpy().astype(np.int32)
+            elif values.null_count and spec.kind == "bool":  # missing flags become NaN
+                out[column] = values.cast("float32").fill_null(np.nan).to_numpy()
+            else:  # numbers with missing values come out as floats with NaN
+                out[column] = values.to_numpy(zero_copy_only=False)
+        return out
+
+    # -- epochs, sharding, state ---------------------------------------------------------------
+
+    def set_worker(self, worker_id: int, num_workers: int) -> None:
+        """Yield only worker ``worker_id``'s contiguous run of this rank's batches (of
+        ``num_workers``; the first runs are one batch longer when they do not divide)."""
+        if not 0 <= worker_id < num_workers:
+            raise ValueError(f"worker {worker_id} outside {num_workers} workers")
+        self._worker = (worker_id, num_workers)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch ``epoch``'s plan from the next iteration on (and start it from its
+        beginning)."""
+        self.epoch = int(epoch)
+        self._batches_done = 0
+
+    def state_dict(self) -> dict:
+        """Where iteration stands: the epoch and the batches of it already yielded."""
+        return {"seed": self.seed, "epoch": self.epoch, "batches_done": self._batches_done}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the next iteration yields exactly the batches an uninterrupted run would
+        have yielded after ``state``."""
+        if state.get("seed", self.seed) != self.seed:
+            raise ValueError(f"state is for seed {state['seed']}, this loader uses {self.seed}")
+        self.epoch = int(state["epoch"])
+        self._batches_done = int(state["batches_done"])
+
+    def _batches(self) -> BatchRuns:
+        """This rank's (and worker's) batches of the current epoch, as global cell positions."""
+        plan = EpochPlan(self.dataset.manifest.tile_cells, shuffle=self.shuffle,
+                         buffer_tiles=self.buffer_tiles, seed=self.seed,
+                         epoch=self.epoch)  # fmt: skip
+        return BatchRuns(plan, self.batch_size, rank=self.rank, world_size=self.world_size,
+                         worker=self._worker, drop_last=self.drop_last)  # fmt: skip
+
+    def __len__(self) -> int:
+        """Batches per epoch for this rank (and worker)."""
+        return len(self._batches())
+
+    # -- iteration -----------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        batches = self._batches()
+        skip = self._batches_done
+        results: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+        done = object()
+
+        def produce() -> None:
+            try:
+                builder = _BatchBuilder(self, batches, skip)
+                for index in range(skip, len(batches)):
+                    if stop.is_set():
+                        return
+                    item = builder.build(batches[index])
+                    builder.release(index)
+                    while not stop.is_set():
+                        try:
+                            results.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                results.put(done)
+            except BaseException as err:  # handed to the consumer, raised there
+                results.put(err)
+
+        thread = threading.Thread(target=produce, name="deltacells-loader", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = results.get()
+                if item is done:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                self._batches_done += 1
+                yield item
+            self.epoch += 1
+            self._batches_done = 0
+        finally:
+            stop.set()
+            while thread.is_alive():
+                try:
+                    results.get_nowait()
+                except queue.Empty:
+                    thread.join(0.05)
+
+
+#: Tiles a loader keeps in flight on remote stores by default (see ``prefetch_tiles``).
+#: Measured at 150 MB/s: 8 reach the plateau at 50 ms, 200 ms needs 16 (and as many
+#: connections: :data:`deltacells.store.storage.REMOTE_IO_THREADS`).
+REMOTE_TILES_IN_FLIGHT = 16
+
+
+class _BatchBuilder:
+    """Builds batches for one iteration (runs in the loader's background thread)."""
+
+    def __init__(self, loader: Loader, batches: BatchRuns, skip: int = 0) -> None:
+        self.loader = loader
+        self.n_threads = effective_n_threads(loader.n_threads)
+        self.decoded: dict[int, _DecodedTile] = {}
+        self.compressed: OrderedDict[int, Tile] = OrderedDict()
+        self.compressed_bytes = 0
+        self.n_out_cols = len(loader.var_names)
+        # The last batch that may need each tile (from the buffers a batch overlaps, without
+        # drawing its cells): a decoded tile is dropped right after it, so memory holds only
+        # the tiles still to be used (about one buffer), and its buffers are reused for the
+        # next tile instead of fresh pages. And the tiles in the order the epoch first needs
+        # them: up to ``prefetch_tiles`` of them are being fetched at any time.
+        self.last_use = np.full(len(loader._limits), -1, dtype=np.int64)
+        seen = np.zeros(len(loader._limits), dtype=bool)
+        self.upcoming = []
+        for i in range(skip, len(batches)):
+            tiles = batches.plan.tiles_at(*batches.bounds(i))
+            self.last_use[tiles] = i
+            for t in tiles:
+                if not seen[t]:
+                    seen[t] = True
+                    self.upcoming.append(t)
+            if batches.plan.shuffle == "cells":
+                break  # every batch may need every tile: all of them, in tile order
+        self.capacity = max(loader.dataset.manifest.tile_nnz, default=0)
+        self.spare: list[tuple[np.ndarray, np.ndarray]] = []
+        self.next_up = 0
+        self.inflight: dict[int, Any] = {}
+        self._fetch_ahead()
+
+    def _fetch_ahead(self) -> None:
+        loader = self.loader
+        m = loader.dataset.manifest
+        while len(self.inflight) < loader.prefetch_tiles and self.next_up < len(self.upcoming):
+            t = self.upcoming[self.next_up]
+            self.next_up += 1
+            if t not in self.decoded and t not in self.compressed:
+                name = tile_name(t)
+                self.inflight[t] = loader.dataset.store.prefetch([name], [m.tile_bytes[t]])[name]
+
+    def _parsed(self, t: int) -> Tile:
+        """Tile ``t`` parsed, from its prefetched bytes when they were asked for."""
+        future = self.inflight.pop(t, None)
+        blob = future.result() if future is not None else None
+        tile = self.loader.dataset.tile(t, n_threads=self.n_threads, blob=blob)
+        self._fetch_ahead()
+        return tile
+
+    def _decoded(self, t: int) -> _DecodedTile:
+        tile = self.decoded.get(t)
+        if tile is None:
+            loader = self.loader
+            parsed = self._parsed(t)
+            out = self.spare.pop() if self.spare else (
+                empty_output(self.capacity, np.int32), empty_output(self.capacity, loader.dtype)
+            )  # fmt: skip
+            totals = loader.normalize is not None
+            tile = _DecodedTile(parsed, loader.dtype, loader._drop_map, totals, self.n_threads,
+                                out)  # fmt: skip
+            self.decoded[t] = tile
+        return tile
+
+    def release(self, batch_index: int) -> None:
+        """Drop the decoded tiles no batch after ``batch_index`` needs (buffers kept spare)."""
+        for t in [t for t in self.decoded if self.last_use[t] <= batch_index]:
+            tile = self.decoded.pop(t)
+            if len(self.spare) < 2:
+                self.spare.append(tile.buffers)
+
+    def _compressed(self, t: int) -> Tile:
+        """A parsed compressed tile, from a cache bounded by ``tile_cache_bytes``."""
+        tile = self.compressed.get(t)
+        if tile is None:
+            tile = self._parsed(t)
+            self.compressed[t] = tile
+            self.compressed_bytes += tile.nbytes
+            while self.compressed_bytes > self.loader.tile_cache_bytes and len(self.compressed) > 1:
+                _, old = self.compressed.popitem(last=False)
+                self.compressed_bytes -= old.nbytes
+        else:
+            self.compressed.move_to_end(t)
+        return tile
+
+    def build(self, cells: np.ndarray) -> Batch:
+        loader = self.loader
+        touched, groups, local = group_by_tile(cells, loader._limits)
+        if loader.shuffle == "cells":
+            matrix, totals = self._gather_compressed(touched, groups, local)
+        else:
+            matrix, totals = self._take_decoded(touched, groups, local)
+        if loader.normalize is not None or loader.log1p:
+            target = 0.0 if loader.normalize is None else float(loader.normalize)
+            _rows.normalize_rows(matrix.indptr.astype(np.int64, copy=False), matrix.data,
+                                    totals, target, loader.log1p, self.n_threads)  # fmt: skip
+        obs = {name: values[cells] for name, values in loader._obs.items()}
+        return Batch(X=_convert(matrix, loader.output), cells=cells, obs=obs)
+
+    def _take_decoded(self, touched, groups, local) -> tuple[sp.csr_matrix, np.ndarray]:
+        loader = self.loader
+        # Dense outputs do not care in which order a row's entries come: skip the sort.
+        sort = loader.output in ("scipy", "torch")
+        decoded = [self._decoded(int(t)) for t in touched]
+        lengths = np.empty(len(local), dtype=np.int64)
+        totals = np.zeros(len(local), dtype=np.float64)
+        for tile, mine in zip(decoded, groups, strict=True):
+            lengths[mine] = tile.lengths[local[mine]]
+            if tile.totals is not None:
+                totals[mine] = tile.totals[local[mine]]
+        indptr = np.zeros(len(local) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=indptr[1:])
+        indices = empty_output(int(indptr[-1]), np.int32)
+        values = empty_output(int(indptr[-1]), loader.dtype)
+        for tile, mine in zip(decoded, groups, strict=True):
+            m = tile.matrix
+            _rows.take_rows_into(tile.indptr, m.indices, m.data, local, mine, indptr, indices,
+                                    values, loader._col_map, self.n_threads, sort)  # fmt: skip
+        shape = (len(local), self.n_out_cols)
+        matrix = sp.csr_matrix((values, indices, indptr), shape=shape, copy=False)
+        matrix.has_canonical_format = sort
+        return matrix, totals
+
+    def _gather_compressed(self, touched, groups, local) -> tuple[sp.csr_matrix, np.ndarray]:
+        loader = self.loader
+        tiles = [self._compressed(int(t)) for t in touched]
+        matrix = gather_cells(tiles, groups, local, loader.dataset.shape[1], loader.dtype,
+                              self.n_threads)  # fmt: skip
+        indptr = matrix.indptr.astype(np.int64, copy=False)
+        # Library sizes over all genes, before any are dropped (only when normalising).
+        totals = (
+            _rows.row_sums(indptr, matrix.data, self.n_threads)
+            if loader.normalize is not None
+            else np.zeros(len(local))
+        )
+        if loader._col_map is not None:
+            out = _rows.remap_columns(indptr, matrix.indices, matrix.data, loader._col_map,
+                                         self.n_out_cols, self.n_threads)  # fmt: skip
+            matrix = sp.csr_matrix((out[2], out[1], out[0]), shape=(len(local), self.n_out_cols),
+                                   copy=False)  # fmt: skip
+        matrix.has_canonical_format = True
+        return matrix, totals
+
+
+def _convert(matrix: sp.csr_matrix, output: str) -> Any:
+    if output == "scipy":
+        return matrix
+    if output == "numpy":
+        return matrix.toarray()
+    try:
+        import torch
+    except ModuleNotFoundError as err:  # pragma: no cover - exercised without torch
+        raise ImportError(
+            f"output={output!r} needs torch: pip install 'deltacells[torch]'"
+        ) from err
+
+    if output == "torch_dense":
+        return torch.from_numpy(matrix.toarray())
+    return torch.sparse_csr_tensor(
+        torch.from_numpy(matrix.indptr.astype(np.int64)),
+        torch.from_numpy(matrix.indices.astype(np.int64)),
+        torch.from_numpy(matrix.data),
+        size=matrix.shape,
+    )
