@@ -8,7 +8,8 @@ import platform
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-PACKAGES = ("deltacells", "numpy", "scipy", "anndata", "zarr", "h5py", "zstandard", "pyarrow")
+PACKAGES = ("deltacells", "numpy", "scipy", "anndata", "zarr", "h5py", "zstandard", "pyarrow",
+            "pandas")
 
 
 def machine() -> dict:

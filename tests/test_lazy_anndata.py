@@ -121,3 +121,65 @@ def test_numpy_functions_on_lazy_x(stored):
     np.testing.assert_allclose((X * 2).compute().toarray(), dense * 2)
 
 
+
+
+def _count_duplicate_checks(monkeypatch) -> list[int]:
+    """Lengths of every pandas index anndata hashes for duplicates from now on."""
+    import pandas as pd
+
+    seen: list[int] = []
+    original = pd.Index.has_duplicates.fget
+
+    def counted(index):
+        seen.append(len(index))
+        return original(index)
+
+    monkeypatch.setattr(pd.Index, "has_duplicates", property(counted))
+    return seen
+
+
+@pytest.mark.parametrize("stored_names", [True, False])
+def test_known_unique_obs_names_are_not_hashed_again(tmp_path, monkeypatch, stored_names):
+    # Hashing every obs name was most of the opening time at 10M cells: names "0".."n-1"
+    # and names the writer recorded unique are not checked again; var names still are.
+    source = processed(n_cells=150, seed=5)  # 150 cells x 120 genes
+    if not stored_names:
+        source.obs_names = [str(i) for i in range(source.n_obs)]
+    root = tmp_path / "d"
+    dc.write_deltacells(source, root, tile_size=64, progress=False, obs=stored_names)
+    seen = _count_duplicate_checks(monkeypatch)
+    adata = dc.read_deltacells(root)
+    assert source.n_obs not in seen and source.n_vars in seen
+    assert list(adata.obs_names) == list(source.obs_names)
+    # A mask keeps each cell once: still known unique.
+    seen.clear()
+    adata._inplace_subset_obs(np.arange(adata.n_obs) % 2 == 0)
+    assert adata.n_obs not in seen
+    # Positions may repeat a cell: anndata's check runs again and warns.
+    seen.clear()
+    with pytest.warns(UserWarning, match="not unique"):
+        adata._inplace_subset_obs(np.array([0, 0, 1]))
+    assert 3 in seen
+
+
+def test_obs_names_set_anew_are_checked_again(tmp_path, monkeypatch):
+    source = processed(n_cells=80, seed=6)
+    root = tmp_path / "d"
+    dc.write_deltacells(source, root, tile_size=64, progress=False)
+    adata = dc.read_deltacells(root)
+    adata.obs_names = ["same"] * adata.n_obs
+    seen = _count_duplicate_checks(monkeypatch)
+    with pytest.warns(UserWarning, match="not unique"):
+        adata._inplace_subset_obs(np.arange(adata.n_obs) < 10)
+    assert 10 in seen
+
+
+def test_names_recorded_repeated_are_checked(tmp_path, monkeypatch):
+    source = processed(n_cells=80, seed=7)
+    source.obs_names = ["a", "b"] * 40
+    root = tmp_path / "d"
+    dc.write_deltacells(source, root, tile_size=64, progress=False)
+    seen = _count_duplicate_checks(monkeypatch)
+    with pytest.warns(UserWarning, match="not unique"):
+        adata = dc.read_deltacells(root)
+    assert source.n_obs in seen and list(adata.obs_names) == list(source.obs_names)

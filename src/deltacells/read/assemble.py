@@ -138,7 +138,10 @@ def read_deltacells(
     if rows is not None:
         # Only the selected cells are built: lazy matrices show those rows, elements are cut.
         X, parts = _take_rows(X, rows), _parts_of_rows(parts, rows)
-    return OutOfCoreAnnData(X=X, obs=obs_frame, var=var, **parts)
+    # Default names are unique; stored ones when the writer recorded so (verify checks it).
+    unique = dataset.obs_index_column(dataset.obs_schema()) is None or bool(
+        dataset.manifest.metadata.get("obs_names_unique"))
+    return OutOfCoreAnnData(X=X, obs=obs_frame, var=var, obs_names_unique=unique, **parts)
 
 
 def _take_rows(value: Any, rows: np.ndarray) -> Any:
@@ -304,5 +307,14 @@ def _default_obs_names(dataset: Dataset, rows: np.ndarray | None = None) -> pd.I
         dataset.check_tile_sizes(sorted({0, m.n_tiles - 1}))
     # Arrow makes the strings about 3x faster than numpy's astype(str).astype(object).
     positions = np.arange(m.n_cells, dtype=np.int64) if rows is None else rows
-    names = pc.cast(pa.array(positions), pa.string())
-    return pd.Index(names.to_numpy(zero_copy_only=False), dtype=object, copy=False)
+    return _string_index(pc.cast(pa.array(positions), pa.large_string()))
+
+
+def _string_index(names: pa.Array) -> pd.Index:
+    """An index of ``names`` in pandas' default string dtype: pandas 3's Arrow-backed ``str``
+    made straight from the Arrow array (no Python string objects: 10M names in tens of ms),
+    else object strings, as pandas 2 and anndata 0.12 expect."""
+    default = pd.Index(["name"]).dtype
+    if isinstance(default, np.dtype):  # numpy object dtype: no Arrow-backed default
+        return pd.Index(names.to_numpy(zero_copy_only=False), dtype=object, copy=False)
+    return pd.Index(pd.array(names, dtype=default), copy=False)

@@ -95,6 +95,14 @@ def _through_dask(function: Callable, to_dask: Callable[[Any], Any]) -> Callable
     return on_lazy_matrix
 
 
+def _keeps_each_once(index: Any) -> bool:
+    """Whether a subset by ``index`` takes no cell twice (a slice or a boolean mask)."""
+    if isinstance(index, slice):
+        return True
+    dtype = getattr(index, "dtype", None)
+    return dtype is not None and getattr(dtype, "kind", None) == "b"
+
+
 def swap_lazy(value: Any, lazy_type: type, to_dask: Callable[[Any], Any]) -> Any:
     """``value`` with lazy matrices (also inside tuples, lists and dicts) as dask arrays."""
     if isinstance(value, lazy_type):
@@ -115,14 +123,46 @@ class OutOfCoreAnnData(ad.AnnData):
     Here the lazy matrices (X and count layers) become their dask arrays over tiles first, so
     the subset is a lazy dask array too (without dask: as anndata does). Everything else is
     :class:`anndata.AnnData` unchanged; views and copies are plain AnnData objects.
+
+    ``obs_names_unique=True`` (the reader's: names ``"0" .. "n-1"``, or stored names the
+    writer recorded unique, which ``verify`` checks) skips anndata's duplicate check of the
+    obs names, which hashes every name: most of the opening time of a 10M-cell dataset. The
+    check comes back as soon as obs names are set anew or a subset may repeat cells.
     """
 
     #: The lazy matrix type whose instances become dask arrays (set by the reader).
     lazy_matrix_type: ClassVar[type | None] = None
 
+    def __init__(self, *args: Any, obs_names_unique: bool = False, **kwargs: Any) -> None:
+        # Set before anndata's constructor runs its checks (``_check_uniqueness``).
+        self._obs_names_unique = obs_names_unique
+        super().__init__(*args, **kwargs)
+
+    def _check_uniqueness(self) -> None:
+        if not getattr(self, "_obs_names_unique", False):
+            super()._check_uniqueness()
+            return
+        # anndata's check on the var names alone (anndata 0.13 can switch it off).
+        names = self.var.index
+        if (getattr(ad.settings, "restrict_index_types", True)
+                and names[~names.isna()].has_duplicates):  # fmt: skip
+            ad.utils.warn_names_duplicates("var")
+
+    def _set_dim_index(self, value: Any, attr: str) -> None:
+        if attr == "obs":
+            self._obs_names_unique = False
+        super()._set_dim_index(value, attr)
+
     def _inplace_subset_obs(self, index: Any) -> None:
+        if not _keeps_each_once(index):
+            self._obs_names_unique = False
         self._lazy_matrices_to_dask()
-        super()._inplace_subset_obs(index)
+        if not self._obs_names_unique:
+            super()._inplace_subset_obs(index)
+            return
+        # anndata subsets by building a copy, whose constructor would hash the kept names.
+        with ad.settings.override(check_uniqueness=False):
+            super()._inplace_subset_obs(index)
 
     def _inplace_subset_var(self, index: Any) -> None:
         self._lazy_matrices_to_dask()
