@@ -145,10 +145,10 @@ def zstd_floor(path: Path, n_cells: int, repeats: int) -> dict:
     # The split of to_memory's kernel time: the same tiles decoded into buffers allocated
     # once, in the stored gene order (zstd, then the byte planes into CSR) and in the source
     # gene order (each cell renumbered and sorted as well: canonical CSR).
-    to_source = dc.DeltacellsCSRDataset(dataset)._to_source
-    values_dtype = dc.DeltacellsCSRDataset(dataset).dtype
+    matrix = dc.DeltacellsCSRDataset(dataset)
+    to_source = matrix._to_source
     nnz = int(sum(t.nnz for t in tiles))
-    indices, values = np.empty(nnz, dtype=np.int32), np.empty(nnz, dtype=values_dtype)
+    indices, values = np.empty(nnz, dtype=np.int32), np.empty(nnz, dtype=matrix.dtype)
     indices.fill(0)
     values.fill(0)
 

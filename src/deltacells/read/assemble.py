@@ -134,14 +134,12 @@ def read_deltacells(
     parts = _stored_parts(dataset, X, elements, options)
     # Written with layer=: the tiles hold that layer, and the AnnData's own X is an element.
     X = parts.pop("X", X)
-    obs_frame = _obs(dataset, obs, cache_dir, rows)
+    obs_frame, names_unique = _obs(dataset, obs, cache_dir, rows)
     if rows is not None:
         # Only the selected cells are built: lazy matrices show those rows, elements are cut.
         X, parts = _take_rows(X, rows), _parts_of_rows(parts, rows)
-    # Default names are unique; stored ones when the writer recorded so (verify checks it).
-    unique = dataset.obs_index_column(dataset.obs_schema()) is None or bool(
-        dataset.manifest.metadata.get("obs_names_unique"))
-    return OutOfCoreAnnData(X=X, obs=obs_frame, var=var, obs_names_unique=unique, **parts)
+    return OutOfCoreAnnData(X=X, obs=obs_frame, var=var, obs_names_unique=names_unique,
+                            **parts)  # fmt: skip
 
 
 def _take_rows(value: Any, rows: np.ndarray) -> Any:
@@ -260,13 +258,17 @@ def _default_var_names(dataset: Dataset) -> list[str]:
 
 
 def _obs(dataset: Dataset, obs: bool | Sequence[str], cache_dir,
-         rows: np.ndarray | None = None) -> pd.DataFrame:  # fmt: skip
-    """obs of every cell, or of stored rows ``rows`` only (built for those alone)."""
+         rows: np.ndarray | None = None) -> tuple[pd.DataFrame, bool]:  # fmt: skip
+    """obs of every cell, or of stored rows ``rows`` only (built for those alone), and whether
+    its names are known unique: ``"0" .. "n-1"``, or stored names the writer recorded unique
+    (``verify`` checks them)."""
     schema = dataset.obs_schema()
     n_cells = dataset.shape[0] if rows is None else len(rows)
     if schema is None:
-        return pd.DataFrame(index=_default_obs_names(dataset, rows))
+        return pd.DataFrame(index=_default_obs_names(dataset, rows)), True
     index_column = dataset.obs_index_column(schema)
+    names_unique = index_column is None or bool(
+        dataset.manifest.metadata.get("obs_names_unique"))
     if obs is True:
         columns = [c for c in schema.names if c != index_column]
     elif obs is False:
@@ -291,7 +293,7 @@ def _obs(dataset: Dataset, obs: bool | Sequence[str], cache_dir,
     if len(frame) != n_cells:  # no columns asked for: an empty frame of the right length
         frame = pd.DataFrame(index=frame.index)
     record = dataset.manifest.metadata.get("obs_pandas")
-    return restore_dtypes(frame, record, dataset.store.describe(MANIFEST_NAME))
+    return restore_dtypes(frame, record, dataset.store.describe(MANIFEST_NAME)), names_unique
 
 
 def _default_obs_names(dataset: Dataset, rows: np.ndarray | None = None) -> pd.Index:
