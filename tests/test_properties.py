@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -139,3 +141,22 @@ def test_many_chunks_few_rows():
     tile = dc.Tile(dc.encode_tile(matrix, n_chunks=100))
     assert tile.n_chunks == 3
     assert_equal_csr(tile.decode(np.int32), matrix)
+
+
+@given(values=st.lists(st.one_of(st.integers(0, 10**6),
+                                 st.sampled_from([0, 9, 10, 99, 100, 10**9, 2**63 - 1]),
+                                 st.integers(0, 2**63 - 1)), max_size=200))  # fmt: skip
+def test_decimal_names_are_str_of_each_position(values):
+    # Default obs names are built by this kernel straight into Arrow buffers.
+    from deltacells.codec._rows import decimal_names
+
+    offsets, data = decimal_names(np.array(values, dtype=np.int64))
+    text = data.tobytes().decode()
+    assert [text[a:b] for a, b in pairwise(offsets)] == [str(v) for v in values]
+
+
+def test_decimal_names_refuse_negative_positions():
+    from deltacells.codec._rows import decimal_names
+
+    with pytest.raises(ValueError, match="negative"):
+        decimal_names(np.array([3, -1], dtype=np.int64))

@@ -50,3 +50,6 @@ def kept_per_row(
     col_map: NDArray[np.int64],
     n_threads: int = 1,
 ) -> NDArray[np.int64]: ...
+def decimal_names(
+    positions: NDArray[np.int64],
+) -> tuple[NDArray[np.int64], NDArray[np.uint8]]: ...

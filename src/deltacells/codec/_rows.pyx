@@ -3,7 +3,7 @@
 reader source order), minibatch rows taken from tiles, per-cell normalisation and sums."""
 
 from cython.parallel cimport parallel, prange
-from libc.stdint cimport int32_t, int64_t, uint32_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
 from cython cimport floating
 from libc.math cimport log1p as c_log1p
 from libc.string cimport memcpy
@@ -297,3 +297,67 @@ def kept_per_row(const int64_t[::1] indptr, const int32_t[::1] indices,
                 kept = kept + (col_map[indices[i]] >= 0)
             out_v[r] = kept
     return out
+
+
+cdef inline int64_t _n_digits(int64_t value) noexcept nogil:
+    # Comparisons, not divisions: this runs once per name.
+    cdef int64_t n = 1, bound = 10
+    while n < 19 and value >= bound:
+        bound *= 10
+        n += 1
+    return n
+
+
+# "00" .. "99": two digits per division.
+cdef const char* _PAIRS = (
+    b"0001020304050607080910111213141516171819202122232425262728293031323334353637383940414243"
+    b"4445464748495051525354555657585960616263646566676869707172737475767778798081828384858687"
+    b"888990919293949596979899"
+)
+
+
+cdef inline void _write_decimal(int64_t value, uint8_t* end) noexcept nogil:
+    """The digits of ``value`` >= 0, ending just before ``end``, two at a time."""
+    cdef int64_t pair
+    while value >= 100:
+        pair = (value % 100) * 2
+        value //= 100
+        end -= 2
+        end[0] = _PAIRS[pair]
+        end[1] = _PAIRS[pair + 1]
+    if value >= 10:
+        end -= 2
+        end[0] = _PAIRS[value * 2]
+        end[1] = _PAIRS[value * 2 + 1]
+    else:
+        end -= 1
+        end[0] = <uint8_t>(48 + value)
+
+
+def decimal_names(const int64_t[::1] positions):
+    """The decimal strings of ``positions`` (``"0"``, ``"17"``, ...) as Arrow large-string
+    buffers: int64 offsets (``len + 1``) and UTF-8 bytes, with no Python string per name.
+
+    Default obs names of an atlas are ten or a hundred million of these; built here they
+    cost about 6 ns each, where an int-to-string cast allocates through a memory pool. Serial:
+    two threads measured slower (the pass is bound by first touches of fresh pages).
+    """
+    cdef Py_ssize_t n = positions.shape[0], i
+    cdef uint8_t* out
+    offsets = np.empty(n + 1, dtype=np.int64)
+    cdef int64_t[::1] off = offsets
+    if n and np.min(positions) < 0:
+        raise ValueError("decimal_names: negative position")
+    off[0] = 0
+    with nogil:
+        for i in range(n):
+            off[i + 1] = off[i] + _n_digits(positions[i])
+    data = np.empty(off[n], dtype=np.uint8)
+    cdef uint8_t[::1] data_v = data
+    if off[n] == 0:
+        return offsets, data
+    out = &data_v[0]
+    with nogil:
+        for i in range(n):
+            _write_decimal(positions[i], out + off[i + 1])
+    return offsets, data
