@@ -30,6 +30,9 @@ def test_bench_scale_quick(tmp_path):
     for size in sizes:
         assert size["open"]["reads"] == 1 and size["open"]["bytes"] == size["manifest_bytes"]
         assert size["loader"]["batches_per_epoch"] == size["n_cells"] // 4096
+        fresh = size["open_fresh"]
+        assert fresh["names"]["obs_names_type"] == "Index"
+        assert fresh["positions"]["obs_names_type"] == "RangeIndex"
     assert results["targets"]["open_reads_only_the_manifest"]
 
 

@@ -3,9 +3,12 @@ concat (scanpy on the lazy X: test_scanpy_chain.py)."""
 
 from __future__ import annotations
 
+import warnings
+
 import anndata as ad
 import dask.array as da
 import numpy as np
+import pandas as pd
 import pytest
 import scipy.sparse as sp
 from test_whole_anndata import processed
@@ -125,7 +128,6 @@ def test_numpy_functions_on_lazy_x(stored):
 
 def _count_duplicate_checks(monkeypatch) -> list[int]:
     """Lengths of every pandas index anndata hashes for duplicates from now on."""
-    import pandas as pd
 
     seen: list[int] = []
     original = pd.Index.has_duplicates.fget
@@ -183,3 +185,50 @@ def test_names_recorded_repeated_are_checked(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="not unique"):
         adata = dc.read_deltacells(root)
     assert source.n_obs in seen and list(adata.obs_names) == list(source.obs_names)
+
+
+def test_positions_open_without_a_name_per_cell(stored, tmp_path, monkeypatch):
+    # obs_names="positions": a RangeIndex (constant memory at 100M cells); everything else
+    # as the named read, and copies name their cells by position, as anndata does.
+    root, source = stored
+    named = dc.read_deltacells(root)
+    got = dc.read_deltacells(root, obs_names="positions", cache_dir=tmp_path / "cache")
+    assert isinstance(got.obs_names, pd.RangeIndex) and len(got.obs_names) == source.n_obs
+    # the stored names are not read (not even cached), the other columns are
+    cached = {p.name for p in (tmp_path / "cache").rglob("*.arrow")}
+    assert cached and not any(n.startswith("_index") or "obs_names" in n for n in cached)
+    pd.testing.assert_frame_equal(got.obs.set_axis(named.obs_names), named.obs)
+    pd.testing.assert_frame_equal(got.obsm["frame"].set_axis(named.obs_names),
+                                  named.obsm["frame"])  # fmt: skip
+    view = got[10:20, :5]
+    assert list(view.obs_names) == list(range(10, 20))
+    np.testing.assert_array_equal(view.X.toarray(), named[10:20, :5].X.toarray())
+    # anndata stringifies the copy's obs names but not the index of a DataFrame in obsm, and
+    # then refuses the mismatch (documented with obs_names="positions").
+    del got.obsm["frame"]
+    with pytest.warns(ad.ImplicitModificationWarning, match="str index"):
+        copy = got[[3, 7]].to_memory()
+    assert list(copy.obs_names) == ["3", "7"]
+    seen = _count_duplicate_checks(monkeypatch)
+    with warnings.catch_warnings():  # the in-place filter names by position without a word
+        warnings.simplefilter("error", ad.ImplicitModificationWarning)
+        got._inplace_subset_obs(np.arange(got.n_obs) % 3 == 0)
+    assert got.n_obs not in seen
+    assert list(got.obs_names) == [str(i) for i in range(0, source.n_obs, 3)]
+
+
+def test_positions_of_a_selection_are_its_stored_rows(tmp_path):
+    source = processed(n_cells=300, seed=23)
+    root = tmp_path / "spatial.dc"
+    dc.write_deltacells(source, root, spatial_key="spatial", tile_size=64, progress=False)
+    box = (100.0, 200.0, 600.0, 700.0)
+    rows = dc.open_dataset(root).query_bbox(box).rows
+    got = dc.read_deltacells(root, bbox=box, obs_names="positions")
+    assert got.obs_names.dtype == np.int64 and list(got.obs_names) == list(rows)
+    named = dc.read_deltacells(root, bbox=box)
+    np.testing.assert_array_equal(got.X.to_memory().toarray(), named.X.to_memory().toarray())
+
+
+def test_obs_names_mode_is_checked(stored):
+    with pytest.raises(ValueError, match="obs_names must be 'names' or 'positions'"):
+        dc.read_deltacells(stored[0], obs_names="index")

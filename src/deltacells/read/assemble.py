@@ -24,6 +24,7 @@ from deltacells.read.lazy_matrix import DeltacellsCSRDataset, written_values_dty
 from deltacells.read.obscache import ObsCache
 from deltacells.read.outofcore import (
     OutOfCoreAnnData,
+    PreparedObs,
 )
 from deltacells.store.manifest import MANIFEST_NAME, StoredParts
 from deltacells.store.obs_dtypes import restore_dtypes
@@ -49,6 +50,7 @@ def read_deltacells(
     bbox_mode: str = "intersects",
     row_order: str = "stored",
     ranged_reads: bool = False,
+    obs_names: str = "names",
 ) -> ad.AnnData:
     """Open a deltacells dataset as an AnnData with a lazily decoded X.
 
@@ -104,6 +106,17 @@ def read_deltacells(
         indptr slice and frames of each tile touched) instead of whole tiles: fewer bytes for
         small or clustered selections, such as a box. Every structural and frame check still
         runs; the tile's CRC, which covers the whole tile, cannot (``verify`` checks it).
+    obs_names
+        ``"names"`` (default): the stored obs names, or ``"0" .. "n-1"`` (each cell's stored
+        position) for a dataset without them. ``"positions"``: obs_names is a
+        :class:`pandas.RangeIndex` of the stored positions (an integer index of them for a
+        box or ``row_order="source"``), built without a string per cell, so that an atlas of
+        100M cells opens in constant memory; stored names are not read. Slicing, views, scanpy
+        and the loader work as usual; a copy (``to_memory()``, ``copy()``, in-place filters)
+        names its cells by their positions as strings, as anndata does for any integer index
+        (with its ``ImplicitModificationWarning``, except in in-place filters). Looking cells
+        up by name and ``anndata.concat(..., index_unique=...)`` need string names: use them
+        on a copy.
 
     Returns
     -------
@@ -121,10 +134,12 @@ def read_deltacells(
         "dask": dask,
         "ranged_reads": ranged_reads,
     }
-    X = _lazy_matrix(dataset, options)
-    var = _var(dataset, column_order)
     if row_order not in ("stored", "source"):
         raise ValueError(f"row_order must be 'stored' or 'source', not {row_order!r}")
+    if obs_names not in ("names", "positions"):
+        raise ValueError(f"obs_names must be 'names' or 'positions', not {obs_names!r}")
+    X = _lazy_matrix(dataset, options)
+    var = _var(dataset, column_order)
     rows = None if bbox is None else dataset.query_bbox(bbox, mode=bbox_mode).rows
     cell_order = dataset.cell_order() if row_order == "source" else None
     if cell_order is not None:
@@ -134,12 +149,16 @@ def read_deltacells(
     parts = _stored_parts(dataset, X, elements, options)
     # Written with layer=: the tiles hold that layer, and the AnnData's own X is an element.
     X = parts.pop("X", X)
-    obs_frame, names_unique = _obs(dataset, obs, cache_dir, rows)
+    obs_frame, names_unique = _obs(dataset, obs, cache_dir, rows, obs_names == "positions")
     if rows is not None:
         # Only the selected cells are built: lazy matrices show those rows, elements are cut.
         X, parts = _take_rows(X, rows), _parts_of_rows(parts, rows)
-    return OutOfCoreAnnData(X=X, obs=obs_frame, var=var, obs_names_unique=names_unique,
-                            **parts)  # fmt: skip
+    if obs_names == "positions" and "obsm" in parts:
+        # anndata matches the index of a DataFrame in obsm against obs_names.
+        parts["obsm"] = {k: v.set_axis(obs_frame.index) if isinstance(v, pd.DataFrame) else v
+                         for k, v in parts["obsm"].items()}  # fmt: skip
+    return OutOfCoreAnnData(X=X, obs=PreparedObs(obs_frame), var=var,
+                            obs_names_unique=names_unique, **parts)  # fmt: skip
 
 
 def _take_rows(value: Any, rows: np.ndarray) -> Any:
@@ -258,19 +277,23 @@ def _default_var_names(dataset: Dataset) -> list[str]:
 
 
 def _obs(dataset: Dataset, obs: bool | Sequence[str], cache_dir,
-         rows: np.ndarray | None = None) -> tuple[pd.DataFrame, bool]:  # fmt: skip
+         rows: np.ndarray | None = None,
+         positions: bool = False) -> tuple[pd.DataFrame, bool]:  # fmt: skip
     """obs of every cell, or of stored rows ``rows`` only (built for those alone), and whether
-    its names are known unique: ``"0" .. "n-1"``, or stored names the writer recorded unique
-    (``verify`` checks them)."""
+    its names are known unique: ``"0" .. "n-1"``, stored names the writer recorded unique
+    (``verify`` checks them), or ``positions`` (the stored positions, as integers)."""
     schema = dataset.obs_schema()
     n_cells = dataset.shape[0] if rows is None else len(rows)
+    if positions:
+        names = pd.RangeIndex(n_cells) if rows is None else pd.Index(rows, dtype=np.int64)
     if schema is None:
-        return pd.DataFrame(index=_default_obs_names(dataset, rows)), True
-    index_column = dataset.obs_index_column(schema)
+        return pd.DataFrame(index=names if positions else _default_obs_names(dataset, rows)), True
+    stored_names = dataset.obs_index_column(schema)
+    index_column = None if positions else stored_names  # positions: names not read
     names_unique = index_column is None or bool(
         dataset.manifest.metadata.get("obs_names_unique"))
     if obs is True:
-        columns = [c for c in schema.names if c != index_column]
+        columns = [c for c in schema.names if c != stored_names]
     elif obs is False:
         columns = []
     else:
@@ -286,7 +309,9 @@ def _obs(dataset: Dataset, obs: bool | Sequence[str], cache_dir,
 
     frame = pd.DataFrame({c: selected(c).to_numpy() if schema[c].kind != "category"
                           else selected(c) for c in columns})  # fmt: skip
-    if index_column is not None:
+    if positions:
+        frame.index = names
+    elif index_column is not None:
         frame.index = pd.Index(selected(index_column).astype(str).to_numpy())
     else:
         frame.index = _default_obs_names(dataset, rows)

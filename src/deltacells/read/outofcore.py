@@ -11,10 +11,12 @@ imports scanpy: its dispatchers are found among the modules already imported.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import anndata as ad
+import pandas as pd
 
 #: Module prefixes whose single-dispatch functions a lazy X joins when they know dask.
 DISPATCHING_PACKAGES = ("scanpy", "fast_array_utils")
@@ -114,6 +116,51 @@ def swap_lazy(value: Any, lazy_type: type, to_dask: Callable[[Any], Any]) -> Any
     return value
 
 
+class PreparedObs:
+    """obs as the reader built it, for anndata's constructor to take as it is.
+
+    anndata checks and copies the obs index it is given (at 10M cells, a filtered copy of
+    every name on anndata 0.13), and turns an integer index into strings. The reader's index
+    needs neither: strings it made itself (no missing names), or the integer positions of
+    ``obs_names="positions"``, which must stay a :class:`pandas.RangeIndex` to cost nothing.
+    """
+
+    __slots__ = ("frame",)
+
+    def __init__(self, frame: pd.DataFrame) -> None:
+        self.frame = frame
+
+    def __len__(self) -> int:
+        return len(self.frame)
+
+
+def _take_prepared_obs(anno: PreparedObs, index_names: Any, *, source: str, attr: str,
+                       length: int | None = None) -> pd.DataFrame:  # fmt: skip
+    frame = anno.frame
+    if length is not None and length != len(frame):
+        raise ValueError(f"{attr} has {len(frame)} rows, the matrix {length}")
+    if not len(frame.columns):  # as anndata does: column names of an empty frame are strings
+        frame.columns = frame.columns.astype(str)
+    return frame
+
+
+def _accept_prepared_obs() -> bool:
+    """Teach anndata's obs constructor (a single-dispatch function, private to anndata) to take
+    :class:`PreparedObs` as it is. False where anndata has no such function: the reader then
+    hands over the plain frame, which anndata checks (and stringifies) as usual."""
+    try:
+        from anndata._core.aligned_df import _gen_dataframe
+    except ImportError:
+        return False
+    if not hasattr(_gen_dataframe, "register"):
+        return False
+    _gen_dataframe.register(PreparedObs)(_take_prepared_obs)
+    return True
+
+
+ACCEPTS_PREPARED_OBS = _accept_prepared_obs()
+
+
 class OutOfCoreAnnData(ad.AnnData):
     """The AnnData :func:`~deltacells.read_deltacells` returns: an :class:`anndata.AnnData`
     whose in-place subsets stay out of core.
@@ -136,6 +183,8 @@ class OutOfCoreAnnData(ad.AnnData):
     def __init__(self, *args: Any, obs_names_unique: bool = False, **kwargs: Any) -> None:
         # Set before anndata's constructor runs its checks (``_check_uniqueness``).
         self._obs_names_unique = obs_names_unique
+        if isinstance(kwargs.get("obs"), PreparedObs) and not ACCEPTS_PREPARED_OBS:
+            kwargs["obs"] = kwargs["obs"].frame
         super().__init__(*args, **kwargs)
 
     def _check_uniqueness(self) -> None:
@@ -157,12 +206,18 @@ class OutOfCoreAnnData(ad.AnnData):
         if not _keeps_each_once(index):
             self._obs_names_unique = False
         self._lazy_matrices_to_dask()
-        if not self._obs_names_unique:
-            super()._inplace_subset_obs(index)
-            return
-        # anndata subsets by building a copy, whose constructor would hash the kept names.
-        with ad.settings.override(check_uniqueness=False):
-            super()._inplace_subset_obs(index)
+        with warnings.catch_warnings():
+            if pd.api.types.is_integer_dtype(self.obs_names.dtype):
+                # obs_names="positions": the copy names the kept cells by their positions,
+                # as strings (as documented), which anndata announces every time.
+                warnings.filterwarnings("ignore", "Transforming to str index",
+                                        ad.ImplicitModificationWarning)  # fmt: skip
+            if not self._obs_names_unique:
+                super()._inplace_subset_obs(index)
+                return
+            # anndata subsets by building a copy, whose constructor would hash the kept names.
+            with ad.settings.override(check_uniqueness=False):
+                super()._inplace_subset_obs(index)
 
     def _inplace_subset_var(self, index: Any) -> None:
         self._lazy_matrices_to_dask()
