@@ -147,16 +147,21 @@ def test_many_chunks_few_rows():
                                  st.sampled_from([0, 9, 10, 99, 100, 10**9, 2**63 - 1]),
                                  st.integers(0, 2**63 - 1)), max_size=200))  # fmt: skip
 def test_decimal_names_are_str_of_each_position(values):
-    # Default obs names are built by this kernel straight into Arrow buffers.
-    from deltacells.codec._rows import decimal_names
+    # Default obs names are built by these kernels: into Arrow buffers (pandas 3) or as
+    # Python strings (pandas 2).
+    from deltacells.codec._rows import decimal_name_objects, decimal_names
 
-    offsets, data = decimal_names(np.array(values, dtype=np.int64))
+    positions = np.array(values, dtype=np.int64)
+    offsets, data = decimal_names(positions)
     text = data.tobytes().decode()
     assert [text[a:b] for a, b in pairwise(offsets)] == [str(v) for v in values]
+    objects = decimal_name_objects(positions)
+    assert objects.dtype == object and objects.tolist() == [str(v) for v in values]
 
 
 def test_decimal_names_refuse_negative_positions():
-    from deltacells.codec._rows import decimal_names
+    from deltacells.codec._rows import decimal_name_objects, decimal_names
 
-    with pytest.raises(ValueError, match="negative"):
-        decimal_names(np.array([3, -1], dtype=np.int64))
+    for kernel in (decimal_names, decimal_name_objects):
+        with pytest.raises(ValueError, match="negative"):
+            kernel(np.array([3, -1], dtype=np.int64))

@@ -7,6 +7,7 @@ from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
 from cython cimport floating
 from libc.math cimport log1p as c_log1p
 from libc.string cimport memcpy
+from cpython.unicode cimport PyUnicode_DecodeLatin1
 
 import numpy as np
 
@@ -361,3 +362,20 @@ def decimal_names(const int64_t[::1] positions):
         for i in range(n):
             _write_decimal(positions[i], out + off[i + 1])
     return offsets, data
+
+
+def decimal_name_objects(const int64_t[::1] positions):
+    """The decimal strings of ``positions`` as an object array of Python strings (what a
+    pandas 2 index holds), each made from its digits without a round trip through Arrow."""
+    cdef Py_ssize_t n = positions.shape[0], i
+    cdef int64_t length
+    cdef char digits[24]
+    if n and np.min(positions) < 0:
+        raise ValueError("decimal_name_objects: negative position")
+    out = np.empty(n, dtype=object)
+    cdef object[::1] view = out
+    for i in range(n):
+        length = _n_digits(positions[i])
+        _write_decimal(positions[i], <uint8_t*>digits + length)
+        view[i] = PyUnicode_DecodeLatin1(digits, length, NULL)
+    return out

@@ -13,7 +13,7 @@ import pandas as pd
 import pyarrow as pa
 from numpy.typing import DTypeLike
 
-from deltacells.codec._rows import decimal_names
+from deltacells.codec._rows import decimal_name_objects, decimal_names
 from deltacells.codec.format import FormatError, LimitError, get_limits
 from deltacells.read.dataset import (
     Dataset,
@@ -333,17 +333,14 @@ def _default_obs_names(dataset: Dataset, rows: np.ndarray | None = None) -> pd.I
     if m.n_tiles:
         dataset.check_tile_sizes(sorted({0, m.n_tiles - 1}))
     positions = np.arange(m.n_cells, dtype=np.int64) if rows is None else rows
-    offsets, data = decimal_names(np.ascontiguousarray(positions, dtype=np.int64))
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    default = pd.Index(["name"]).dtype
+    if isinstance(default, np.dtype):
+        # pandas 2: object strings, as anndata 0.12 expects (it refuses to write an
+        # Arrow-backed index by default), made from their digits without Arrow in between.
+        return pd.Index(decimal_name_objects(positions), dtype=object, copy=False)
+    # pandas 3: its Arrow-backed ``str`` straight from Arrow buffers, no Python string each.
+    offsets, data = decimal_names(positions)
     names = pa.LargeStringArray.from_buffers(len(positions), pa.py_buffer(offsets),
                                              pa.py_buffer(data))  # fmt: skip
-    return _string_index(names)
-
-
-def _string_index(names: pa.Array) -> pd.Index:
-    """An index of ``names`` in pandas' default string dtype: pandas 3's Arrow-backed ``str``
-    made straight from the Arrow array (no Python string objects: 10M names in tens of ms),
-    else object strings, as pandas 2 and anndata 0.12 expect."""
-    default = pd.Index(["name"]).dtype
-    if isinstance(default, np.dtype):  # numpy object dtype: no Arrow-backed default
-        return pd.Index(names.to_numpy(zero_copy_only=False), dtype=object, copy=False)
     return pd.Index(pd.array(names, dtype=default), copy=False)
