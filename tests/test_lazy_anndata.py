@@ -232,3 +232,31 @@ def test_positions_of_a_selection_are_its_stored_rows(tmp_path):
 def test_obs_names_mode_is_checked(stored):
     with pytest.raises(ValueError, match="obs_names must be 'names' or 'positions'"):
         dc.read_deltacells(stored[0], obs_names="index")
+
+
+def test_read_obs_names_names_a_selection(stored, tmp_path):
+    # The way back from positions to the names read_deltacells gives, for a selection only.
+    root, source = stored
+    got = dc.read_deltacells(root, obs_names="positions", cache_dir=tmp_path)
+    mask = np.arange(got.n_obs) % 7 == 3
+    rows = got.obs_names[mask]
+    names = dc.read_obs_names(root, rows, cache_dir=tmp_path)
+    assert list(names) == list(dc.read_deltacells(root).obs_names[mask])
+    assert list(names) == list(source.obs_names[mask])  # stored in source order here
+    del got.obsm["frame"]  # anndata cannot copy it with integer obs names (see above)
+    with pytest.warns(ad.ImplicitModificationWarning, match="str index"):
+        sub = got[mask].to_memory()
+    sub.obs_names = names
+    assert sub.obs_names.is_unique and sub.n_obs == int(mask.sum())
+    assert len(dc.read_obs_names(root, np.array([], dtype=np.int64))) == 0
+    with pytest.raises(IndexError, match=r"0 \.\. 249"):
+        dc.read_obs_names(root, [0, source.n_obs])
+    with pytest.raises(TypeError, match="positions must be integers"):
+        dc.read_obs_names(root, ["3", "7"])
+
+
+def test_read_obs_names_without_stored_names(tmp_path):
+    source = processed(n_cells=90, seed=9)
+    root = tmp_path / "d"
+    dc.write_deltacells(source, root, tile_size=64, progress=False, obs=False)
+    assert list(dc.read_obs_names(dc.open_dataset(root), [5, 80, 0])) == ["5", "80", "0"]

@@ -12,7 +12,7 @@ from deltacells import _moved
 from deltacells.codec.format import FormatError, LimitError, Limits, get_limits, set_limits
 from deltacells.codec.tile import DEFAULT_LEVEL, CountError, Tile, decode_tile, encode_tile
 from deltacells.export import to_spatialdata
-from deltacells.read.assemble import read_deltacells
+from deltacells.read.assemble import read_deltacells, read_obs_names
 from deltacells.read.dataset import Dataset, open_dataset
 from deltacells.read.lazy_matrix import DeltacellsCSRDataset
 from deltacells.spatial.genemajor import add_gene_major
@@ -65,6 +65,7 @@ __all__ = [
     "get_limits",
     "open_dataset",
     "read_deltacells",
+    "read_obs_names",
     "set_limits",
     "to_spatialdata",
     "write_deltacells",

@@ -29,7 +29,7 @@ from deltacells.read.outofcore import (
 from deltacells.store.manifest import MANIFEST_NAME, StoredParts
 from deltacells.store.obs_dtypes import restore_dtypes
 
-__all__ = ["read_deltacells", "written_values_dtype"]
+__all__ = ["read_deltacells", "read_obs_names", "written_values_dtype"]
 
 
 def read_deltacells(
@@ -159,6 +159,61 @@ def read_deltacells(
                          for k, v in parts["obsm"].items()}  # fmt: skip
     return OutOfCoreAnnData(X=X, obs=PreparedObs(obs_frame), var=var,
                             obs_names_unique=names_unique, **parts)  # fmt: skip
+
+
+def read_obs_names(
+    url_or_path: str | os.PathLike | Dataset,
+    positions: Sequence[int] | np.ndarray,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    storage_options: dict | None = None,
+) -> pd.Index:
+    """The obs names of the cells at stored ``positions``, as :func:`read_deltacells` names
+    them, made for those cells only.
+
+    With ``read_deltacells(url, obs_names="positions")`` the obs names are the cells' stored
+    positions; this gives the names of a selection back::
+
+        adata = deltacells.read_deltacells(url, obs_names="positions")
+        rows = adata.obs_names[mask]             # the selected cells' positions
+        sub = adata[mask].to_memory()
+        sub.obs_names = deltacells.read_obs_names(url, rows)
+
+    Parameters
+    ----------
+    url_or_path
+        The dataset (URL, path or an opened :class:`~deltacells.Dataset`).
+    positions
+        Stored positions (integers in ``0 .. n_cells - 1``), e.g. the obs names of an
+        AnnData read with ``obs_names="positions"`` or of a view of it.
+    cache_dir, storage_options
+        As for :func:`read_deltacells`. Stored names come from the local obs cache, which
+        holds the names column memory-mapped (fetched and checked on first use, like any obs
+        column), so only the selected names are read from it.
+
+    Returns
+    -------
+    pandas.Index
+        The stored names, or ``"0" .. "n-1"`` for a dataset without them.
+    """
+    dataset = (url_or_path if isinstance(url_or_path, Dataset)
+               else open_dataset(url_or_path, storage_options=storage_options))  # fmt: skip
+    rows = np.asarray(positions)
+    if rows.dtype.kind not in "iu" and rows.size:
+        raise TypeError(
+            f"positions must be integers (stored positions, as obs_names='positions' gives), "
+            f"not {rows.dtype}; names a copy made of them: np.asarray(names, dtype=int)"
+        )
+    rows = rows.astype(np.int64, copy=False).ravel()
+    n_cells = dataset.shape[0]
+    if rows.size and (rows.min() < 0 or rows.max() >= n_cells):
+        raise IndexError(f"positions must lie in 0 .. {n_cells - 1} (the dataset's cells)")
+    schema = dataset.obs_schema()
+    index_column = None if schema is None else dataset.obs_index_column(schema)
+    if index_column is None:
+        return _default_obs_names(dataset, rows)
+    names = ObsCache(dataset.obs_part, cache_dir).column(index_column).take(pa.array(rows))
+    return pd.Index(names.to_pandas().astype(str).to_numpy())
 
 
 def _take_rows(value: Any, rows: np.ndarray) -> Any:
