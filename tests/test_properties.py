@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import deltacells as dc
+from deltacells.codec._decode import ColumnMap
 
 GENE_COUNTS = [1, 2, 17, 300, 65535, 65536, 65537, 200_000]
 SPECIAL_COUNTS = np.array([1, 2, 255, 256, 65535, 65536, 65537, 2**24, 2**31 - 1])
@@ -80,18 +81,28 @@ def test_decode_through_a_column_permutation(matrix, seed):
     col_map = np.random.default_rng(seed).permutation(matrix.shape[1])
     moved = sp.csr_matrix((matrix.data, col_map[matrix.indices], matrix.indptr), shape=matrix.shape)
     rows = np.random.default_rng(seed).integers(0, max(matrix.shape[0], 1), 30)
+    # A ColumnMap is the same permutation, checked once (what the lazy X passes per tile).
+    checked = ColumnMap(col_map, matrix.shape[1]) if matrix.shape[1] else col_map
     for dtype, n_threads in ((np.int32, 1), (np.float32, 2), (np.float64, 3)):
-        decoded = tile.decode(dtype, n_threads=n_threads, col_map=col_map)
-        assert_equal_csr(decoded, moved.astype(dtype))  # float32: exact to 2^24 only
-        if matrix.shape[0]:
-            gathered = tile.gather(rows, dtype, n_threads=n_threads, col_map=col_map)
-            assert_equal_csr(gathered, moved[rows].astype(dtype))
+        for mapping in (col_map, checked):
+            decoded = tile.decode(dtype, n_threads=n_threads, col_map=mapping)
+            assert_equal_csr(decoded, moved.astype(dtype))  # float32: exact to 2^24 only
+            if matrix.shape[0]:
+                gathered = tile.gather(rows, dtype, n_threads=n_threads, col_map=mapping)
+                assert_equal_csr(gathered, moved[rows].astype(dtype))
     if matrix.shape[0] and matrix.shape[1] > 1:
         not_a_permutation = col_map.copy()
         not_a_permutation[0] = not_a_permutation[1]
         for bad in (not_a_permutation, col_map[:-1], col_map.astype(np.float64)):
             with pytest.raises(ValueError, match="permutation"):
                 tile.decode(col_map=bad)
+            with pytest.raises(ValueError, match="permutation"):
+                ColumnMap(bad, matrix.shape[1])
+        # checked for another number of columns: checked again, and refused
+        other = ColumnMap(np.arange(matrix.shape[1] - 1), matrix.shape[1] - 1)
+        with pytest.raises(ValueError, match="permutation"):
+            tile.decode(col_map=other)
+        assert not checked.array.flags.writeable  # cannot be changed after its check
 
 
 @PROFILE

@@ -3,6 +3,11 @@
 import numpy as np
 from numpy.typing import NDArray
 
+class ColumnMap:
+    array: NDArray[np.int32]
+    n_genes: int
+    def __init__(self, col_map: NDArray[np.integer], n_genes: int) -> None: ...
+
 def openmp_enabled() -> bool: ...
 def check_frames(
     blob: NDArray[np.uint8] | bytes,
@@ -20,7 +25,7 @@ def decode_into(
     values: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
     n_threads: int,
     where: object,
-    col_map: NDArray[np.integer] | None = None,
+    col_map: NDArray[np.integer] | ColumnMap | None = None,
 ) -> None: ...
 def gather_into(
     blob: NDArray[np.uint8] | bytes,
@@ -37,7 +42,7 @@ def gather_into(
     values: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
     n_threads: int,
     where: object,
-    col_map: NDArray[np.integer] | None = None,
+    col_map: NDArray[np.integer] | ColumnMap | None = None,
 ) -> None: ...
 def decompress_only(
     blob: NDArray[np.uint8] | bytes, chunks: NDArray[np.int64], n_threads: int

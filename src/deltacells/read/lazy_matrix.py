@@ -15,6 +15,7 @@ import scipy.sparse as sp
 from anndata.abc import CSRDataset
 from numpy.typing import DTypeLike
 
+from deltacells.codec._decode import ColumnMap
 from deltacells.codec.tile import Tile, _value_dtype, empty_output
 from deltacells.read.dataset import (
     Dataset,
@@ -149,7 +150,9 @@ class DeltacellsCSRDataset(CSRDataset):
         self._limits = dataset.manifest.limits
         self._starts = np.concatenate([[0], self._limits[:-1]]).astype(np.int64)
         order = dataset.gene_order() if column_order == "source" else None
-        self._to_source = None if order is None else order.astype(np.int64)
+        # Checked once as a permutation here, not again for every tile decoded through it.
+        self._to_source = (None if order is None or not len(order)
+                           else ColumnMap(order, dataset.shape[1]))  # fmt: skip
         self._cache: OrderedDict[int, Tile] = OrderedDict()
         self._cached_bytes = 0
         # One lazy X is shared by the threads of torch's thread loaders and dask's threaded
