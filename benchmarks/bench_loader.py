@@ -8,8 +8,9 @@ loader runs one shuffled epoch of ``--batch-size`` batches in its own fresh proc
 is that process's own), in one run; deltacells and annbatch run ``--repeats`` epochs (median
 cells/s, largest peak RSS), the others one:
 
-- deltacells ``Loader`` (default ``shuffle="tiles"``, source gene order; and the stored gene
-  order), locally and through moto's S3 server;
+- deltacells ``Loader`` (default ``shuffle="tiles"``, source gene order; the stored gene
+  order; and the source order with ``sorted_indices=False``), locally and through moto's S3
+  server;
 - annbatch 0.3.x with the zarrs codec pipeline and its README's settings (``chunk_size=32``,
   ``preload_nchunks=256``) on a collection it made itself (``shuffle=True``); annbatch needs
   Python >= 3.12, so it runs in its own virtualenv (``benchmarks/.annbatch-venv``, created on
@@ -189,6 +190,8 @@ def main() -> None:
         record("deltacells", me, "deltacells", paths["deltacells"], {}, n)
         record("deltacells (stored gene order)", me, "deltacells", paths["deltacells"],
                {"column_order": "stored"}, n)  # fmt: skip
+        record("deltacells (unsorted indices)", me, "deltacells", paths["deltacells"],
+               {"sorted_indices": False}, n)  # fmt: skip
         if not args.no_annbatch:
             record("annbatch (zarrs)", python, "annbatch", str(collection), {}, n)
         record("anndata backed h5ad", me, "anndata", paths["h5ad"], {}, 1)

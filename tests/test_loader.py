@@ -116,6 +116,37 @@ def test_batches_hold_the_rows_of_their_cells(pair, mode):
     assert list(loader.var_names) == list(adata.var_names)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_unsorted_indices_hold_the_same_rows_and_say_so(pair, mode):
+    # sorted_indices=False: source-order columns, entries in the stored gene order; scipy is
+    # told, and sorting gives the default batch exactly.
+    url, adata = pair
+    X = sp.csr_matrix(adata.X)
+    sorted_batches = list(dc.Loader(url, batch_size=100, shuffle=mode, seed=5,
+                                    normalize=1e4, log1p=True))  # fmt: skip
+    unsorted = dc.Loader(url, batch_size=100, shuffle=mode, seed=5, normalize=1e4, log1p=True,
+                         sorted_indices=False)  # fmt: skip
+    seen_unsorted = False
+    for plain, batch in zip(sorted_batches, unsorted, strict=True):
+        np.testing.assert_array_equal(plain.cells, batch.cells)
+        assert np.array_equal(np.diff(batch.X.indptr), np.diff(X[batch.cells].indptr))
+        in_order = all(np.all(np.diff(row.indices) > 0) for row in batch.X)
+        seen_unsorted |= not in_order
+        if not in_order:  # what scipy is told must be true
+            assert not batch.X.has_sorted_indices
+        again = batch.X.copy()
+        again.sort_indices()
+        np.testing.assert_array_equal(again.indices, plain.X.indices)
+        np.testing.assert_array_equal(again.data, plain.X.data)
+    assert seen_unsorted or mode == "cells"  # "cells" batches come sorted either way
+
+
+def test_unsorted_indices_are_for_scipy_batches(pair):
+    url, _ = pair
+    with pytest.raises(ValueError, match="sorted_indices=False is for output='scipy'"):
+        dc.Loader(url, output="numpy", sorted_indices=False)
+
+
 def test_stored_column_order_follows_the_stored_var_names(pair):
     url, adata = pair
     loader = dc.Loader(url, batch_size=200, column_order="stored", shuffle="none")

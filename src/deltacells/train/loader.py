@@ -328,6 +328,15 @@ class Loader:
         ``"source"`` (genes in the order they were written, as ``read_deltacells``) or
         ``"stored"`` (on-disk order, the fastest: rows are copied as decoded). Ignored when
         ``genes`` is given.
+    sorted_indices
+        ``True`` (default): canonical CSR, each row's columns in increasing order. ``False``
+        (``output="scipy"`` only): rows keep their entries in the stored gene order, each
+        renumbered to its output column but not sorted, and the matrix says so
+        (``has_sorted_indices`` is False, so scipy sorts where an operation needs it).
+        Putting rows back in order is most of the time of a source-order epoch; consumers that
+        do not need it (a dense layer's ``X @ W``, ``toarray()``) get the stored order's
+        speed with the source order's columns. Dense outputs never sort (they need not);
+        ``shuffle="cells"`` batches come sorted either way.
     prefetch
         Batches built ahead of the consumer by the background thread.
     prefetch_tiles
@@ -362,6 +371,7 @@ class Loader:
         output: str = "scipy",
         values_dtype: DTypeLike = np.float32,
         column_order: str = "source",
+        sorted_indices: bool = True,
         prefetch: int = 2,
         prefetch_tiles: int | None = None,
         tile_cache_bytes: int = 256 * 2**20,
@@ -381,6 +391,12 @@ class Loader:
             raise ValueError("batch_size, buffer_tiles and prefetch must be at least 1")
         if column_order not in ("source", "stored"):
             raise ValueError(f"column_order must be 'source' or 'stored', not {column_order!r}")
+        if not sorted_indices and output != "scipy":
+            raise ValueError(
+                f"sorted_indices=False is for output='scipy' (whose has_sorted_indices records "
+                f"it), not output={output!r}: dense outputs never sort, and torch's sparse "
+                "tensors are built canonical"
+            )
         self.dataset = (
             source
             if isinstance(source, Dataset)
@@ -404,6 +420,7 @@ class Loader:
         self.n_threads = n_threads
         self.tile_cache_bytes = tile_cache_bytes
         self.column_order = column_order
+        self.sorted_indices = bool(sorted_indices)
         self._worker = (0, 1)  # (worker id, number of workers) within this rank
         self.epoch = 0
         self._batches_done = 0
@@ -675,8 +692,9 @@ class _BatchBuilder:
 
     def _take_decoded(self, touched, groups, local) -> tuple[sp.csr_matrix, np.ndarray]:
         loader = self.loader
-        # Dense outputs do not care in which order a row's entries come: skip the sort.
-        sort = loader.output in ("scipy", "torch")
+        # Dense outputs do not care in which order a row's entries come: skip the sort; so
+        # does a scipy output asked for unsorted indices (and told so below).
+        sort = loader.output in ("scipy", "torch") and loader.sorted_indices
         decoded = [self._decoded(int(t)) for t in touched]
         lengths = np.empty(len(local), dtype=np.int64)
         totals = np.zeros(len(local), dtype=np.float64)
@@ -694,7 +712,10 @@ class _BatchBuilder:
                                     values, loader._col_map, self.n_threads, sort)  # fmt: skip
         shape = (len(local), self.n_out_cols)
         matrix = sp.csr_matrix((values, indices, indptr), shape=shape, copy=False)
-        matrix.has_canonical_format = sort
+        if sort or loader._col_map is None:  # stored order: rows come sorted as decoded
+            matrix.has_canonical_format = True
+        else:
+            matrix.has_sorted_indices = False
         return matrix, totals
 
     def _gather_compressed(self, touched, groups, local) -> tuple[sp.csr_matrix, np.ndarray]:
