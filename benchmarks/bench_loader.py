@@ -1,12 +1,17 @@
 """Loader benchmark: cells/s and peak RSS over one epoch, deltacells next to annbatch and anndata.
 
     python benchmarks/bench_loader.py [--cells 100000] [--batch-size 4096] [--repeats 5]
-                                      [--no-annbatch] [--no-s3] [--annbatch-python PATH]
+                                      [--later-epochs 3] [--no-annbatch] [--no-s3]
+                                      [--annbatch-python PATH]
 
 On one input (``liao2020_balf.h5ad`` stacked with shuffled rows to ``--cells`` cells), each
 loader runs one shuffled epoch of ``--batch-size`` batches in its own fresh process (so peak RSS
-is that process's own), in one run; deltacells and annbatch run ``--repeats`` epochs (median
-cells/s, largest peak RSS), the others one:
+is that process's own), in one run; deltacells and annbatch run ``--repeats`` such processes
+(median cells/s, largest peak RSS), the others one. Locally, each deltacells and annbatch
+process then runs ``--later-epochs`` more epochs, timed apart: ``steady_cells_per_s`` (median
+over processes of each one's median later epoch) is the pace of a training run, without the
+first epoch's start-up (threads, pools and pages made on first use), and the peak RSS covers
+every epoch:
 
 - deltacells ``Loader`` (default ``shuffle="tiles"``, source gene order; the stored gene
   order; and the source order with ``sorted_indices=False``), locally and through moto's S3
@@ -50,14 +55,23 @@ def child_deltacells(path: str, batch_size: int, options: dict) -> dict:
     import deltacells as dc
 
     storage_options = options.pop("storage_options", None)
+    epochs = options.pop("epochs", 1)
     loader = dc.Loader(path, batch_size=batch_size, seed=0, storage_options=storage_options,
                        **options)  # fmt: skip
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    cells = 0
-    for batch in loader:
-        cells += batch.X.shape[0]
-    return {"cells": cells, "seconds": time.perf_counter() - t0,
-            "cpu_s": time.process_time() - cpu0}  # fmt: skip
+    times, counts, cpu0 = [], [], time.process_time()
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        t0 = time.perf_counter()
+        cells = 0
+        for batch in loader:
+            cells += batch.X.shape[0]
+        times.append(time.perf_counter() - t0)
+        counts.append(cells)
+        if epoch == 0:
+            cpu = time.process_time() - cpu0
+    if len(set(counts)) != 1:
+        raise RuntimeError(f"epochs gave different numbers of cells: {counts}")
+    return {"cells": cells, "seconds": times[0], "cpu_s": cpu, "later_seconds": times[1:]}
 
 
 def child_anndata(path: str, batch_size: int, options: dict) -> dict:
@@ -96,6 +110,9 @@ def run_child(python: str, tool: str, path: str, batch_size: int, options: dict)
         raise RuntimeError(f"{tool} child failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["cells_per_s"] = result["cells"] / result["seconds"]
+    later = result.get("later_seconds") or []
+    if later:  # the epochs after the first, in the same process: a training run's pace
+        result["steady_cells_per_s"] = result["cells"] / sorted(later)[len(later) // 2]
     return result
 
 
@@ -149,6 +166,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--gzip-batches", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5, help="epochs per loader (median)")
+    parser.add_argument("--later-epochs", type=int, default=3,
+                        help="epochs after the first in each deltacells and annbatch process, "
+                        "timed apart (steady_cells_per_s: a training run's pace)")
     parser.add_argument("--no-annbatch", action="store_true")
     parser.add_argument("--no-s3", action="store_true")
     parser.add_argument("--annbatch-python")
@@ -173,9 +193,15 @@ def main() -> None:
         runs[name] = {"cells": epochs[0]["cells"], "repeats": repeats,
                       "cells_per_s": speeds[len(speeds) // 2], "cells_per_s_all": speeds,
                       "peak_rss_mb": max(e["peak_rss_mb"] for e in epochs)}  # fmt: skip
+        steady = sorted(e["steady_cells_per_s"] for e in epochs if "steady_cells_per_s" in e)
+        if steady:
+            runs[name] |= {"steady_cells_per_s": steady[len(steady) // 2],
+                           "steady_cells_per_s_all": steady}  # fmt: skip
         row = runs[name]
-        print(f"  {name:34s} {row['cells_per_s']:>10,.0f} cells/s  peak RSS "
-              f"{row['peak_rss_mb']:,.0f} MB", flush=True)  # fmt: skip
+        steady_text = (f", later epochs {row['steady_cells_per_s']:>10,.0f} cells/s"
+                       if steady else "")  # fmt: skip
+        print(f"  {name:34s} {row['cells_per_s']:>10,.0f} cells/s first epoch{steady_text}, "
+              f"peak RSS {row['peak_rss_mb']:,.0f} MB", flush=True)  # fmt: skip
 
     try:
         print(f"making a {args.cells:,}-cell input ...", flush=True)
@@ -187,13 +213,14 @@ def main() -> None:
                       {"convert_to": str(collection)})  # fmt: skip
         print("one epoch each:", flush=True)
         n = args.repeats
-        record("deltacells", me, "deltacells", paths["deltacells"], {}, n)
+        more = {"epochs": 1 + args.later_epochs}
+        record("deltacells", me, "deltacells", paths["deltacells"], more, n)
         record("deltacells (stored gene order)", me, "deltacells", paths["deltacells"],
-               {"column_order": "stored"}, n)  # fmt: skip
+               {"column_order": "stored", **more}, n)  # fmt: skip
         record("deltacells (unsorted indices)", me, "deltacells", paths["deltacells"],
-               {"sorted_indices": False}, n)  # fmt: skip
+               {"sorted_indices": False, **more}, n)  # fmt: skip
         if not args.no_annbatch:
-            record("annbatch (zarrs)", python, "annbatch", str(collection), {}, n)
+            record("annbatch (zarrs)", python, "annbatch", str(collection), more, n)
         record("anndata backed h5ad", me, "anndata", paths["h5ad"], {}, 1)
         record(f"anndata backed h5ad gzip ({args.gzip_batches} batches)", me, "anndata",
                paths["h5ad_gzip"], {"max_batches": args.gzip_batches}, 1)  # fmt: skip
@@ -230,6 +257,11 @@ def main() -> None:
             if name.startswith("deltacells")
             for ref in [remote if "via S3" in name else runs["annbatch (zarrs)"]]
         }
+        local_ref = runs["annbatch (zarrs)"]
+        for name, ratios in results["vs_annbatch"].items():
+            if "steady_cells_per_s" in runs[name] and "steady_cells_per_s" in local_ref:
+                ratios["steady_speed_ratio"] = (runs[name]["steady_cells_per_s"]
+                                                / local_ref["steady_cells_per_s"])  # fmt: skip
         print(json.dumps(results["vs_annbatch"], indent=1))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
