@@ -301,11 +301,14 @@ def kept_per_row(const int64_t[::1] indptr, const int32_t[::1] indices,
 
 
 cdef inline int64_t _n_digits(int64_t value) noexcept nogil:
-    # Comparisons, not divisions: this runs once per name.
+    # Comparisons, not divisions: this runs once per name. ``bound`` stops at 10^18 (the
+    # next power of ten overflows int64); a value at or above it has 19 digits.
     cdef int64_t n = 1, bound = 10
-    while n < 19 and value >= bound:
-        bound *= 10
+    while value >= bound:
         n += 1
+        if n == 19:
+            break
+        bound *= 10
     return n
 
 
