@@ -16,6 +16,7 @@ from anndata.abc import CSRDataset
 from numpy.typing import DTypeLike
 
 from deltacells.codec._decode import ColumnMap
+from deltacells.codec.threads import effective_n_threads
 from deltacells.codec.tile import Tile, _value_dtype, empty_output
 from deltacells.read.dataset import (
     Dataset,
@@ -281,7 +282,17 @@ class DeltacellsCSRDataset(CSRDataset):
                 blob = future.result()
                 found[t] = self.dataset.tile(t, n_threads=self.n_threads, blob=blob)
                 self._remember(t, found[t])
-        else:  # local reads take a fraction of the validation: threads would only contend
+        elif len(missing) > 1 and effective_n_threads(self.n_threads) > 1:
+            # Local files: a thread per tile reads and checks it (reading is a single-threaded
+            # copy from the page cache; side by side they take ~20% less time than in turn
+            # with the CRC split over threads).
+            threads = effective_n_threads(self.n_threads)
+            loaded = _local_tile_pool(threads).map(
+                lambda t: self.dataset.tile(t, n_threads=1), missing)
+            for t, tile in zip(missing, loaded, strict=True):
+                found[t] = tile
+                self._remember(t, tile)
+        else:
             for t in missing:
                 found[t] = self.dataset.tile(t, n_threads=self.n_threads)
                 self._remember(t, found[t])
@@ -635,6 +646,21 @@ def _ranged_pool():
         _ranged_executor = (os.getpid(), ThreadPoolExecutor(
             RANGED_REQUESTS_IN_FLIGHT, thread_name_prefix="deltacells-ranged"))  # fmt: skip
     return _ranged_executor[1]
+
+
+_local_executor: tuple[int, int, Any] | None = None
+
+
+def _local_tile_pool(threads: int):
+    """Threads reading and checking local tiles side by side (one pool per process and size:
+    forks make their own)."""
+    global _local_executor
+    from concurrent.futures import ThreadPoolExecutor
+
+    key = (os.getpid(), threads)
+    if _local_executor is None or _local_executor[:2] != key:
+        _local_executor = (*key, ThreadPoolExecutor(threads, thread_name_prefix="deltacells-local"))
+    return _local_executor[2]
 
 
 def _decode_tile(matrix: DeltacellsCSRDataset, index: int) -> sp.csr_matrix:
