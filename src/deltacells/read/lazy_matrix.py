@@ -380,13 +380,15 @@ class DeltacellsCSRDataset(CSRDataset):
         fetched: list[dict[int, bytes]] = [{} for _ in plans]
         for (i, key), blob in zip(jobs, blobs, strict=True):
             fetched[i][key] = blob
-        per_tile = []
+        pieces = []
         for (p, selections), got in zip(plans, fetched, strict=True):
-            pieces_of_tile = p.assemble(got)
-            per_tile.append([tile.decode(self.dtype, col_map=self._to_source)[rows - first]
-                             for (tile, first), rows in zip(pieces_of_tile, selections,
-                                                            strict=True)])  # fmt: skip
-        pieces = [piece for part in per_tile for piece in part]
+            # The tile's runs as one small tile: one parse and one gather of just the rows.
+            mini, starts = p.assemble_one(got)
+            runs = [int(p.spans[i][1][0, 0]) for i in range(len(p.spans))]
+            rows = np.concatenate([start + picked - lo for start, lo, picked
+                                   in zip(starts, runs, selections, strict=True)])  # fmt: skip
+            pieces.append(mini.gather(rows, self.dtype, n_threads=self.n_threads,
+                                      col_map=self._to_source))  # fmt: skip
         if whole.any():  # rows of whole tiles first, then the ranged ones, each in order
             pieces.insert(0, self._get_rows_whole(ordered[whole]))
             ordered_rank = np.concatenate([np.flatnonzero(whole), np.flatnonzero(~whole)])

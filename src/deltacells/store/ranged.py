@@ -210,31 +210,73 @@ class RangedPlan:
         """Request ``key`` (for callers running the requests of many tiles concurrently)."""
         return self.tile._read(*self._ranges[key])
 
-    def assemble(self, fetched: dict[int, bytes]) -> list[tuple[Tile, int]]:
-        """The runs as small validated tiles, ``(tile, first_row)`` each, from the fetched
-        requests."""
-        tile = self.tile
-        h = tile.header
+    def _frames_of(self, fetched: dict[int, bytes]) -> list[list[list[bytes]]]:
+        """Per run, per chunk, its four frames cut from the fetched requests."""
         where: dict[int, tuple[int, bytes]] = {}
         for k, ((start, _), group) in enumerate(zip(self._ranges, self.groups, strict=True)):
             for j in group:
                 where[j] = (start, fetched[k])
         out = []
-        for i, (first, entries, offsets, lengths, _) in enumerate(self.spans):
-            cell_lo, cell_hi = int(entries[0, 0]), int(entries[-1, 1])
-            nnz_lo, nnz_hi = int(entries[0, 2]), int(entries[-1, 3])
-            indptr = self.indptr[cell_lo - self.lo_cell : cell_hi - self.lo_cell + 1]
-            if indptr[0] != nnz_lo or indptr[-1] != nnz_hi:
-                raise FormatError(f"{tile.where}: indptr does not match chunks {first}.. "
-                                  f"({indptr[0]}..{indptr[-1]} vs {nnz_lo}..{nnz_hi})")  # fmt: skip
+        for i, (_, _, offsets, lengths, _) in enumerate(self.spans):
             base, blob = where[i]
-            frames = [[blob[int(o) - base : int(o + n) - base] if n else b""
-                       for o, n in zip(row_off, row_len, strict=True)]
-                      for row_off, row_len in zip(offsets, lengths, strict=True)]  # fmt: skip
+            out.append([[blob[int(o) - base : int(o + n) - base] if n else b""
+                         for o, n in zip(row_off, row_len, strict=True)]
+                        for row_off, row_len in zip(offsets, lengths, strict=True)])  # fmt: skip
+        return out
+
+    def _run_indptr(self, i: int) -> np.ndarray:
+        """The indptr of run ``i``'s cells (absolute nonzero positions), checked against its
+        chunks' entries."""
+        first, entries, *_ = self.spans[i]
+        cell_lo, cell_hi = int(entries[0, 0]), int(entries[-1, 1])
+        nnz_lo, nnz_hi = int(entries[0, 2]), int(entries[-1, 3])
+        indptr = self.indptr[cell_lo - self.lo_cell : cell_hi - self.lo_cell + 1]
+        if indptr[0] != nnz_lo or indptr[-1] != nnz_hi:
+            raise FormatError(f"{self.tile.where}: indptr does not match chunks {first}.. "
+                              f"({indptr[0]}..{indptr[-1]} vs {nnz_lo}..{nnz_hi})")  # fmt: skip
+        return indptr
+
+    def assemble_one(self, fetched: dict[int, bytes]) -> tuple[Tile, np.ndarray]:
+        """Every run as one small validated tile, their chunks one after the other (a tile is
+        any sequence of self-contained chunks), and each run's first row in it: stored row
+        ``r`` of run ``i`` is row ``starts[i] + r - runs[i][0]`` of that tile. One tile to
+        parse and decode per tile read, instead of one per run."""
+        tile = self.tile
+        frames_of_runs = self._frames_of(fetched)
+        bounds, indptr_parts, frames = [0], [np.zeros(1, dtype=np.int64)], []
+        starts = np.zeros(len(self.spans), dtype=np.int64)
+        n_rows = nnz = 0
+        for i, (first, entries, _, _, _) in enumerate(self.spans):
+            indptr = self._run_indptr(i)
+            if tile._sums is not None:
+                self._check_chunks(first, entries, frames_of_runs[i])
+            cell_lo, cell_hi = int(entries[0, 0]), int(entries[-1, 1])
+            starts[i] = n_rows
+            bounds.extend((entries[:, 1] - cell_lo + n_rows).tolist())
+            indptr_parts.append(indptr[1:] - indptr[0] + nnz)
+            frames.extend(frames_of_runs[i])
+            n_rows += cell_hi - cell_lo
+            nnz += int(indptr[-1] - indptr[0])
+        blob = _assemble(np.concatenate(indptr_parts), np.asarray(bounds, dtype=np.int64),
+                         frames, n_rows, tile.header.n_genes, 1)  # fmt: skip
+        name = f"{tile.where} ({len(self.spans)} runs of rows, ranged read)"
+        return Tile(blob, name=name, n_threads=1), starts
+
+    def assemble(self, fetched: dict[int, bytes]) -> list[tuple[Tile, int]]:
+        """The runs as small validated tiles, ``(tile, first_row)`` each, from the fetched
+        requests."""
+        tile = self.tile
+        h = tile.header
+        out = []
+        for i, frames in enumerate(self._frames_of(fetched)):
+            first, entries, *_ = self.spans[i]
+            indptr = self._run_indptr(i)
             if tile._sums is not None:
                 self._check_chunks(first, entries, frames)
+            cell_lo, cell_hi = int(entries[0, 0]), int(entries[-1, 1])
             bounds = np.append(entries[:, 0], cell_hi) - cell_lo
-            tile_blob = _assemble(indptr - nnz_lo, bounds, frames, cell_hi - cell_lo, h.n_genes, 1)
+            tile_blob = _assemble(indptr - indptr[0], bounds, frames, cell_hi - cell_lo,
+                                  h.n_genes, 1)  # fmt: skip
             name = f"{tile.where} (rows {cell_lo}:{cell_hi}, ranged read)"
             out.append((Tile(tile_blob, name=name, n_threads=1), cell_lo))
         return out
