@@ -282,12 +282,11 @@ class DeltacellsCSRDataset(CSRDataset):
                 blob = future.result()
                 found[t] = self.dataset.tile(t, n_threads=self.n_threads, blob=blob)
                 self._remember(t, found[t])
-        elif len(missing) > 1 and effective_n_threads(self.n_threads) > 1:
+        elif len(missing) > 1 and (threads := effective_n_threads(self.n_threads)) > 1:
             # Local files: a thread per tile reads and checks it (reading is a single-threaded
             # copy from the page cache; side by side they take ~20% less time than in turn
             # with the CRC split over threads).
-            threads = effective_n_threads(self.n_threads)
-            loaded = _local_tile_pool(threads).map(
+            loaded = _pool("local", threads).map(
                 lambda t: self.dataset.tile(t, n_threads=1), missing)
             for t, tile in zip(missing, loaded, strict=True):
                 found[t] = tile
@@ -373,7 +372,8 @@ class DeltacellsCSRDataset(CSRDataset):
         ranged_tiles = [int(t) for t in np.unique(tile_of[~whole])]
         # Three rounds, each concurrent over every tile on remote stores: header and chunk
         # table, indptr, then all frame ranges; so a read costs about three round trips.
-        each = map if store.is_local or len(ranged_tiles) < 2 else _ranged_pool().map
+        each = (map if store.is_local or len(ranged_tiles) < 2
+                else _pool("ranged", RANGED_REQUESTS_IN_FLIGHT).map)  # fmt: skip
         plans = list(each(plan, ranged_tiles))
         jobs = [(i, key) for i, (p, _) in enumerate(plans) for key, _ in p.requests()]
         blobs = list(each(lambda job: plans[job[0]][0].fetch(job[1]), jobs))
@@ -383,10 +383,9 @@ class DeltacellsCSRDataset(CSRDataset):
         pieces = []
         for (p, selections), got in zip(plans, fetched, strict=True):
             # The tile's runs as one small tile: one parse and one gather of just the rows.
-            mini, starts = p.assemble_one(got)
-            runs = [int(p.spans[i][1][0, 0]) for i in range(len(p.spans))]
-            rows = np.concatenate([start + picked - lo for start, lo, picked
-                                   in zip(starts, runs, selections, strict=True)])  # fmt: skip
+            mini, shifts = p.assemble_one(got)
+            rows = np.concatenate([picked + shift
+                                   for shift, picked in zip(shifts, selections, strict=True)])
             pieces.append(mini.gather(rows, self.dtype, n_threads=self.n_threads,
                                       col_map=self._to_source))  # fmt: skip
         if whole.any():  # rows of whole tiles first, then the ranged ones, each in order
@@ -636,33 +635,19 @@ del _name
 #: Small ranged requests in flight at once on remote stores: each is mostly latency, so many
 #: overlap (whole-tile reads use the store's own, smaller pool).
 RANGED_REQUESTS_IN_FLIGHT = 64
-_ranged_executor: tuple[int, Any] | None = None
+_pools: dict[str, tuple[int, int, Any]] = {}
 
 
-def _ranged_pool():
-    """The thread pool for ranged requests (one per process: forks make their own)."""
-    global _ranged_executor
-    from concurrent.futures import ThreadPoolExecutor
-
-    if _ranged_executor is None or _ranged_executor[0] != os.getpid():
-        _ranged_executor = (os.getpid(), ThreadPoolExecutor(
-            RANGED_REQUESTS_IN_FLIGHT, thread_name_prefix="deltacells-ranged"))  # fmt: skip
-    return _ranged_executor[1]
-
-
-_local_executor: tuple[int, int, Any] | None = None
-
-
-def _local_tile_pool(threads: int):
-    """Threads reading and checking local tiles side by side (one pool per process and size:
+def _pool(name: str, size: int):
+    """The thread pool ``name`` of ``size`` threads: ``"ranged"`` for ranged requests,
+    ``"local"`` for reading and checking local tiles side by side (one per process and size:
     forks make their own)."""
-    global _local_executor
     from concurrent.futures import ThreadPoolExecutor
 
-    key = (os.getpid(), threads)
-    if _local_executor is None or _local_executor[:2] != key:
-        _local_executor = (*key, ThreadPoolExecutor(threads, thread_name_prefix="deltacells-local"))
-    return _local_executor[2]
+    key = (os.getpid(), size)
+    if _pools.get(name, (None, None))[:2] != key:
+        _pools[name] = (*key, ThreadPoolExecutor(size, thread_name_prefix=f"deltacells-{name}"))
+    return _pools[name][2]
 
 
 def _decode_tile(matrix: DeltacellsCSRDataset, index: int) -> sp.csr_matrix:

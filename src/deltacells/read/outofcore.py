@@ -10,6 +10,7 @@ imports scanpy: its dispatchers are found among the modules already imported.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 from collections.abc import Callable
@@ -206,18 +207,16 @@ class OutOfCoreAnnData(ad.AnnData):
         if not _keeps_each_once(index):
             self._obs_names_unique = False
         self._lazy_matrices_to_dask()
-        with warnings.catch_warnings():
+        # anndata subsets by building a copy, whose constructor would hash the kept names.
+        unchecked = (ad.settings.override(check_uniqueness=False) if self._obs_names_unique
+                     else contextlib.nullcontext())  # fmt: skip
+        with warnings.catch_warnings(), unchecked:
             if pd.api.types.is_integer_dtype(self.obs_names.dtype):
                 # obs_names="positions": the copy names the kept cells by their positions,
                 # as strings (as documented), which anndata announces every time.
                 warnings.filterwarnings("ignore", "Transforming to str index",
                                         ad.ImplicitModificationWarning)  # fmt: skip
-            if not self._obs_names_unique:
-                super()._inplace_subset_obs(index)
-                return
-            # anndata subsets by building a copy, whose constructor would hash the kept names.
-            with ad.settings.override(check_uniqueness=False):
-                super()._inplace_subset_obs(index)
+            super()._inplace_subset_obs(index)
 
     def _inplace_subset_var(self, index: Any) -> None:
         self._lazy_matrices_to_dask()

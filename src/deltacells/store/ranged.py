@@ -238,21 +238,21 @@ class RangedPlan:
 
     def assemble_one(self, fetched: dict[int, bytes]) -> tuple[Tile, np.ndarray]:
         """Every run as one small validated tile, their chunks one after the other (a tile is
-        any sequence of self-contained chunks), and each run's first row in it: stored row
-        ``r`` of run ``i`` is row ``starts[i] + r - runs[i][0]`` of that tile. One tile to
-        parse and decode per tile read, instead of one per run."""
+        any sequence of self-contained chunks), and each run's shift: stored row ``r`` of run
+        ``i`` is row ``r + shifts[i]`` of that tile. One tile to parse and decode per tile
+        read, instead of one per run."""
         tile = self.tile
         frames_of_runs = self._frames_of(fetched)
         bounds, indptr_parts, frames = [0], [np.zeros(1, dtype=np.int64)], []
-        starts = np.zeros(len(self.spans), dtype=np.int64)
+        shifts = np.zeros(len(self.spans), dtype=np.int64)
         n_rows = nnz = 0
         for i, (first, entries, _, _, _) in enumerate(self.spans):
             indptr = self._run_indptr(i)
             if tile._sums is not None:
                 self._check_chunks(first, entries, frames_of_runs[i])
             cell_lo, cell_hi = int(entries[0, 0]), int(entries[-1, 1])
-            starts[i] = n_rows
-            bounds.extend((entries[:, 1] - cell_lo + n_rows).tolist())
+            shifts[i] = n_rows - cell_lo
+            bounds.extend((entries[:, 1] + shifts[i]).tolist())
             indptr_parts.append(indptr[1:] - indptr[0] + nnz)
             frames.extend(frames_of_runs[i])
             n_rows += cell_hi - cell_lo
@@ -260,7 +260,7 @@ class RangedPlan:
         blob = _assemble(np.concatenate(indptr_parts), np.asarray(bounds, dtype=np.int64),
                          frames, n_rows, tile.header.n_genes, 1)  # fmt: skip
         name = f"{tile.where} ({len(self.spans)} runs of rows, ranged read)"
-        return Tile(blob, name=name, n_threads=1), starts
+        return Tile(blob, name=name, n_threads=1), shifts
 
     def assemble(self, fetched: dict[int, bytes]) -> list[tuple[Tile, int]]:
         """The runs as small validated tiles, ``(tile, first_row)`` each, from the fetched
