@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import deltacells as dc
+from deltacells.codec import _decode, _rows
 from deltacells.codec._decode import ColumnMap
 
 GENE_COUNTS = [1, 2, 17, 300, 65535, 65536, 65537, 200_000]
@@ -70,9 +71,83 @@ def test_round_trip(matrix, n_chunks):
         assert_equal_csr(tile.gather(rows, np.int32, n_threads=2), matrix[rows])
 
 
+@pytest.fixture(scope="module", params=["simd", "radix"])
+def row_sort(request):
+    """Both ways the kernels sort renumbered rows (numpy's quicksort of 32-bit keys, or the
+    radix sort of 64-bit keys), for the tests that compare them against scipy."""
+    wanted = request.param == "simd"
+    before = [module._use_simd_row_sort(wanted) for module in (_decode, _rows)]
+    yield request.param
+    for module, previous in zip((_decode, _rows), before, strict=True):
+        module._use_simd_row_sort(previous)
+
+
 @PROFILE
 @given(matrix=count_matrices(), seed=st.integers(0, 2**32 - 1))
-def test_decode_through_a_column_permutation(matrix, seed):
+def test_remap_columns_with_either_row_sort(row_sort, matrix, seed):
+    # Renumbering through a map that drops some columns and reorders the rest, then sorting
+    # each row: equal to scipy's column selection, whichever sort runs; a map sending two
+    # columns to one place is refused. Rows above 24 entries and below 65,537 columns take the
+    # 32-bit-key path when row_sort is "simd"; wider ones fall back to the radix sort.
+    if np.count_nonzero(matrix.data > 2**31 - 1):
+        return
+    rng = np.random.default_rng(seed)
+    n_genes = matrix.shape[1]
+    kept = np.flatnonzero(rng.random(n_genes) < 0.8)
+    col_map = np.full(n_genes, -1, dtype=np.int64)
+    col_map[kept] = rng.permutation(len(kept))
+    selection = sp.csr_matrix(
+        (np.ones(len(kept)), (kept, col_map[kept])), shape=(n_genes, max(len(kept), 1))
+    )
+    for dtype in (np.int32, np.float32, np.float64):
+        data = matrix.data.astype(dtype)
+        as_written = sp.csr_matrix((data.astype(np.float64), matrix.indices, matrix.indptr),
+                                   shape=matrix.shape)
+        expected = (as_written @ selection).tocsr()  # one term per entry: exact
+        indptr, indices, values = _rows.remap_columns(
+            matrix.indptr.astype(np.int64), matrix.indices.astype(np.int32), data, col_map,
+            max(len(kept), 1), n_threads=2,
+        )
+        got = sp.csr_matrix((values, indices, indptr), shape=expected.shape)
+        assert_equal_csr(got.astype(np.float64), expected)
+    if len(kept) > 1:
+        twice = col_map.copy()
+        twice[kept[1]] = twice[kept[0]]
+        rows_with_both = [
+            r for r in range(matrix.shape[0])
+            if np.isin(kept[:2], matrix.indices[matrix.indptr[r]:matrix.indptr[r + 1]]).all()
+        ]
+        if rows_with_both:
+            with pytest.raises(ValueError):
+                _rows.remap_columns(
+                    matrix.indptr.astype(np.int64), matrix.indices.astype(np.int32),
+                    matrix.data.astype(np.float32), twice, len(kept), n_threads=2,
+                )
+
+
+@pytest.mark.parametrize("n_genes", [300, 65536, 70_000])
+@pytest.mark.parametrize("length", [5, 40, 1000])
+def test_either_row_sort_refuses_two_columns_sent_to_one(row_sort, n_genes, length):
+    # A map sending two of a row's columns to one place is refused by both sorts, for short
+    # rows (insertion sort), long narrow rows (32-bit keys with "simd") and wide columns.
+    rng = np.random.default_rng(length)
+    length = min(length, n_genes)
+    columns = np.sort(rng.choice(n_genes, length, replace=False)).astype(np.int32)
+    col_map = rng.permutation(n_genes).astype(np.int64)
+    good = _rows.remap_columns(np.array([0, length], np.int64), columns,
+                               np.arange(1, length + 1, dtype=np.float32), col_map, n_genes)
+    order = np.argsort(col_map[columns])
+    np.testing.assert_array_equal(good[1], col_map[columns][order])
+    np.testing.assert_array_equal(good[2], np.arange(1, length + 1)[order])
+    col_map[columns[-1]] = col_map[columns[0]]
+    with pytest.raises(ValueError, match="two columns of row 0 to the same place"):
+        _rows.remap_columns(np.array([0, length], np.int64), columns,
+                            np.ones(length, np.float32), col_map, n_genes)
+
+
+@PROFILE
+@given(matrix=count_matrices(), seed=st.integers(0, 2**32 - 1))
+def test_decode_through_a_column_permutation(row_sort, matrix, seed):
     # Decoding with col_map (cells renumbered and sorted chunk by chunk) equals decoding and
     # then moving the columns with scipy, for every values dtype and thread count.
     if np.count_nonzero(matrix.data > 65535) > max(1024, matrix.nnz // 200):
@@ -176,3 +251,18 @@ def test_decimal_names_refuse_negative_positions():
     for kernel in (decimal_names, decimal_name_objects):
         with pytest.raises(ValueError, match="negative"):
             kernel(np.array([3, -1], dtype=np.int64))
+
+
+def test_row_sort_choice_from_the_environment(monkeypatch):
+    # DELTACELLS_ROW_SORT picks the sort; "auto" asks numpy whether it sorts with AVX-512; a
+    # value that is none of these is named in a warning and "auto" is used.
+    from deltacells.codec import rowsort
+
+    for value, expected in (("radix", False), ("simd", True), ("SIMD ", True)):
+        monkeypatch.setenv(rowsort.ENV_VAR, value)
+        assert rowsort.simd_row_sort_wanted() is expected
+    monkeypatch.setenv(rowsort.ENV_VAR, "auto")
+    assert rowsort.simd_row_sort_wanted() is rowsort.numpy_sorts_with_avx512()
+    monkeypatch.setenv(rowsort.ENV_VAR, "fastest")
+    with pytest.warns(RuntimeWarning, match="DELTACELLS_ROW_SORT='fastest'.*radix"):
+        assert rowsort.simd_row_sort_wanted() is rowsort.numpy_sorts_with_avx512()

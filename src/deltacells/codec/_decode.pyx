@@ -16,6 +16,7 @@ from cython.parallel cimport parallel, prange, threadid
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
 from libc.stdlib cimport free, malloc
 
+cimport numpy as cnp
 import numpy as np
 
 from deltacells.codec._common cimport (
@@ -51,8 +52,10 @@ from deltacells.codec._common cimport (
 )
 from deltacells.codec._rowsort cimport (
     SortScratch,
+    dc_sort32_fn,
     free_sort_scratch,
     new_sort_scratch,
+    numpy_sort32,
     row_to_mapped_order,
 )
 from deltacells.codec._zstd cimport (
@@ -67,6 +70,22 @@ from deltacells.codec._zstd cimport (
 )
 from deltacells.codec.format import FormatError
 from deltacells.codec._status import raise_status
+from deltacells.codec.rowsort import simd_row_sort_wanted
+
+
+cnp.import_array()
+# numpy's SIMD sort for narrow rows, or NULL for the radix sort (see codec/rowsort.py).
+cdef dc_sort32_fn _sort32 = numpy_sort32(simd_row_sort_wanted())
+
+
+def _use_simd_row_sort(wanted=None):
+    """Sort rows with numpy's quicksort (True) or the radix sort (False) from now on, or keep
+    the choice (None); tests and benchmarks compare the two. Returns the previous choice."""
+    global _sort32
+    previous = _sort32 != NULL
+    if wanted is not None:
+        _sort32 = numpy_sort32(bool(wanted))
+    return previous
 
 
 def openmp_enabled() -> bool:
@@ -498,7 +517,8 @@ cdef void _decode_jobs(const uint8_t* blob, const int64_t[:, ::1] chunks,
         dctx = <ZSTD_DCtx*>contexts[threadid()]
         scratch = <uint8_t*>scratches[threadid()]
         chunk = <Chunk*>malloc(sizeof(Chunk))
-        sorting = new_sort_scratch(capacity if col_map != NULL else 0, sizeof(value_t) == 8)
+        sorting = new_sort_scratch(capacity if col_map != NULL else 0, sizeof(value_t) == 8,
+                                   _sort32)
         for g in prange(n_jobs, schedule="dynamic"):
             if (dctx == NULL or scratch == NULL or chunk == NULL
                     or (col_map != NULL and not sorting.ready)):

@@ -4,7 +4,25 @@ source gene order) and the row kernels (writer gene order, joins, minibatches)."
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 
-from deltacells.codec._common cimport E_CELL_RANGE, E_ZERO_GAP, OK, dc_row_sort, value_t
+cimport numpy as cnp
+
+from deltacells.codec._common cimport (
+    E_CELL_RANGE, E_ZERO_GAP, OK, dc_row_sort, dc_sort32_fn, value_t,
+)
+
+
+cdef extern from "numpy/arrayobject.h":
+    ctypedef struct PyArray_ArrFuncs:
+        void* sort[3]  # NPY_QUICKSORT first
+    PyArray_ArrFuncs* PyDataType_GetArrFuncs(cnp.dtype descr)
+
+
+cdef inline dc_sort32_fn numpy_sort32(bint wanted) noexcept:
+    """numpy's quicksort of uint32 (x86-simd-sort's AVX-512 code where the CPU has it) when
+    ``wanted``, else NULL (the radix sort); the module must have called ``import_array``."""
+    if not wanted:
+        return NULL
+    return <dc_sort32_fn>PyDataType_GetArrFuncs(cnp.PyArray_DescrFromType(cnp.NPY_UINT32)).sort[0]
 
 
 cdef struct SortScratch:
@@ -12,14 +30,17 @@ cdef struct SortScratch:
     uint64_t* keys
     uint64_t* spare
     double* held  # float64 values wait here (the keys carry their positions); else NULL
+    dc_sort32_fn sort32  # numpy's SIMD sort for narrow rows, or NULL (radix sort only)
     int64_t capacity
     bint ready  # every buffer it needs was allocated
 
 
-cdef inline SortScratch new_sort_scratch(int64_t capacity, bint hold_values) noexcept nogil:
+cdef inline SortScratch new_sort_scratch(int64_t capacity, bint hold_values,
+                                         dc_sort32_fn sort32) noexcept nogil:
     """Allocate one thread's sort scratch (check ``.ready``; free with ``free_sort_scratch``)."""
     cdef SortScratch s
     s.capacity = capacity
+    s.sort32 = sort32
     s.keys = <uint64_t*>malloc((capacity + 1) * sizeof(uint64_t))
     s.spare = <uint64_t*>malloc((capacity + 1) * sizeof(uint64_t))
     s.held = <double*>malloc((capacity + 1) * sizeof(double)) if hold_values else NULL
@@ -47,10 +68,10 @@ cdef inline int row_to_mapped_order(const int32_t* idx, const value_t* val, int6
     cdef int st
     if value_t is double:
         st = dc_row_sort(idx, NULL, val, n, col_map, n_map, s.keys, s.spare, s.held,
-                         s.capacity, out_idx, NULL, out_val, kept)
+                         s.capacity, s.sort32, out_idx, NULL, out_val, kept)
     else:  # int32 and float32 travel as their 32 bits
         st = dc_row_sort(idx, <const uint32_t*>val, NULL, n, col_map, n_map, s.keys, s.spare,
-                         NULL, s.capacity, out_idx, <uint32_t*>out_val, NULL, kept)
+                         NULL, s.capacity, s.sort32, out_idx, <uint32_t*>out_val, NULL, kept)
     if st == 1:
         return E_CELL_RANGE
     if st == 2:

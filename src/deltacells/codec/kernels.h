@@ -154,8 +154,61 @@ static inline int dc_planes_to_f32(const uint8_t* lo, const uint8_t* hi, int64_t
     return found;
 }
 
+/* A sort of n uint32 values in place, numpy's signature (PyArray_SortFunc; the third
+   argument unused for integers): numpy's quicksort for uint32, which runs x86-simd-sort's
+   AVX-512 code where the CPU has it. */
+typedef int (*dc_sort32_fn)(void* start, intptr_t n, void* unused);
+
+/* dc_row_sort's path for rows of up to 65,536 entries whose new columns are below 65,536 (every
+   dataset of up to 65,536 genes): each entry becomes a 32-bit key, column above its position
+   in the input row, sorted by sort32; values are then read by position (from scratch, spare as
+   uint32 or held, when the row is sorted in place). Returns 0 or 2 as
+   dc_row_sort does, or 3 when a column is too large for this path (nothing written; the caller
+   takes the 64-bit path), or 1 for a column >= n_map, all before writing any output. */
+static inline int dc_row_sort_narrow(const int32_t* idx, const uint32_t* val32,
+                                     const double* val64, int64_t n, const int32_t* col_map,
+                                     uint32_t n_map, uint32_t* keys, uint32_t* spare, double* held,
+                                     int64_t capacity, dc_sort32_fn sort32, int32_t* out_idx,
+                                     uint32_t* out32, double* out64, int64_t* kept) {
+    uint32_t max_col = 0;
+    int64_t o = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if ((uint32_t)idx[i] >= n_map) return 1;
+        int32_t c = col_map[idx[i]];
+        if (c < 0) continue;
+        if (o >= capacity) return 2;
+        max_col |= (uint32_t)c;
+        keys[o++] = ((uint32_t)c << 16) | (uint32_t)i;
+    }
+    int in_place = held ? out64 == val64 : out32 == val32;
+    if (max_col > 0xFFFF || (in_place && n > capacity)) return 3;
+    /* Sorting in place overwrites values still to be read: they wait in scratch. */
+    if (in_place && held) {
+        memcpy(held, val64, (size_t)n * sizeof(double));
+        val64 = held;
+    } else if (in_place) {
+        memcpy(spare, val32, (size_t)n * sizeof(uint32_t));
+        val32 = spare;
+    }
+    if (o > 1) sort32(keys, (intptr_t)o, NULL);
+    uint32_t previous = ~(uint32_t)0;
+    for (int64_t i = 0; i < o; i++) {
+        uint32_t x = keys[i];
+        if ((x >> 16) == previous) return 2;
+        previous = x >> 16;
+        out_idx[i] = (int32_t)(x >> 16);
+        if (held) out64[i] = val64[x & 0xFFFF];
+        else out32[i] = val32[x & 0xFFFF];
+    }
+    *kept = o;
+    return 0;
+}
+
 /* One row's columns through col_map (-1 drops), sorted, with their 32-bit values (the
-   bits of an int32 or float32) or, with held != NULL, their float64 values. Each kept
+   bits of an int32 or float32) or, with held != NULL, their float64 values. With sort32
+   (see dc_row_sort_narrow) rows of more than 24 entries of narrow columns take 32-bit keys
+   sorted by it: 2.3 ns an entry against 3.4 for the radix sort below (rows of ~760 entries,
+   AVX-512), the same output. Otherwise each kept
    entry becomes a 64-bit key, new column above payload (the value's bits, or its index in
    held), sorted by a byte-wise LSD radix sort over the column's nonzero bytes (the two low
    bytes' counts are taken while the keys are made), or an insertion sort for short rows.
@@ -168,8 +221,14 @@ static inline int dc_planes_to_f32(const uint8_t* lo, const uint8_t* hi, int64_t
 static inline int dc_row_sort(const int32_t* idx, const uint32_t* val32, const double* val64,
                               int64_t n, const int32_t* col_map, uint32_t n_map,
                               uint64_t* keys, uint64_t* spare, double* held,
-                              int64_t capacity, int32_t* out_idx, uint32_t* out32,
-                              double* out64, int64_t* kept) {
+                              int64_t capacity, dc_sort32_fn sort32, int32_t* out_idx,
+                              uint32_t* out32, double* out64, int64_t* kept) {
+    if (sort32 != NULL && n > 24 && n <= 65536) {
+        int st = dc_row_sort_narrow(idx, val32, val64, n, col_map, n_map, (uint32_t*)keys,
+                                    (uint32_t*)spare, held, capacity, sort32, out_idx, out32,
+                                    out64, kept);
+        if (st != 3) return st;
+    }
     uint32_t max_col = 0;
     uint32_t count0[256], count1[256];
     uint64_t previous = ~(uint64_t)0;
