@@ -549,7 +549,9 @@ class Tile:
             out_indptr,
             indices,
             values,
-            effective_n_threads(n_threads),
+            # No more threads than chunks to decode: a team of threads started for one chunk
+            # only waits (and, on a busy machine, waits long).
+            min(effective_n_threads(n_threads), max(len(group_chunks), 1)),
             self.name,
             col_map,
         )

@@ -380,14 +380,23 @@ class DeltacellsCSRDataset(CSRDataset):
         fetched: list[dict[int, bytes]] = [{} for _ in plans]
         for (i, key), blob in zip(jobs, blobs, strict=True):
             fetched[i][key] = blob
-        pieces = []
-        for (p, selections), got in zip(plans, fetched, strict=True):
+        # Several tiles: a thread per tile, each assembling and gathering on one thread (a
+        # tile's few rows rarely fill more than one chunk; the decoding of one tile, which
+        # releases the GIL, overlaps the checks of another).
+        threads = effective_n_threads(self.n_threads)
+        per_tile = len(plans) > 1 and threads > 1
+
+        def build(item) -> sp.csr_matrix:
+            (p, selections), got = item
             # The tile's runs as one small tile: one parse and one gather of just the rows.
             mini, shifts = p.assemble_one(got)
             rows = np.concatenate([picked + shift
                                    for shift, picked in zip(shifts, selections, strict=True)])
-            pieces.append(mini.gather(rows, self.dtype, n_threads=self.n_threads,
-                                      col_map=self._to_source))  # fmt: skip
+            return mini.gather(rows, self.dtype, n_threads=1 if per_tile else threads,
+                               col_map=self._to_source)  # fmt: skip
+
+        items = zip(plans, fetched, strict=True)
+        pieces = list(_pool("local", threads).map(build, items) if per_tile else map(build, items))
         if whole.any():  # rows of whole tiles first, then the ranged ones, each in order
             pieces.insert(0, self._get_rows_whole(ordered[whole]))
             ordered_rank = np.concatenate([np.flatnonzero(whole), np.flatnonzero(~whole)])
