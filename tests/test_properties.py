@@ -75,11 +75,9 @@ def test_round_trip(matrix, n_chunks):
 def row_sort(request):
     """Both ways the kernels sort renumbered rows (numpy's quicksort of 32-bit keys, or the
     radix sort of 64-bit keys), for the tests that compare them against scipy."""
-    wanted = request.param == "simd"
-    before = [module._use_simd_row_sort(wanted) for module in (_decode, _rows)]
+    before = _decode._use_simd_row_sort(request.param == "simd")
     yield request.param
-    for module, previous in zip((_decode, _rows), before, strict=True):
-        module._use_simd_row_sort(previous)
+    _decode._use_simd_row_sort(before)
 
 
 @PROFILE

@@ -78,9 +78,15 @@ cnp.import_array()
 cdef dc_sort32_fn _sort32 = numpy_sort32(simd_row_sort_wanted())
 
 
+cdef dc_sort32_fn row_sort32() noexcept nogil:
+    """The sort for renumbered rows, for every kernel module (see codec/rowsort.py)."""
+    return _sort32
+
+
 def _use_simd_row_sort(wanted=None):
-    """Sort rows with numpy's quicksort (True) or the radix sort (False) from now on, or keep
-    the choice (None); tests and benchmarks compare the two. Returns the previous choice."""
+    """Sort rows with numpy's quicksort (True) or the radix sort (False) from now on, in
+    every kernel module, or keep the choice (None); tests and benchmarks compare the two.
+    Returns the previous choice."""
     global _sort32
     previous = _sort32 != NULL
     if wanted is not None:

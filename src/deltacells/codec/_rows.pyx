@@ -9,7 +9,6 @@ from libc.math cimport log1p as c_log1p
 from libc.string cimport memcpy
 from cpython.unicode cimport PyUnicode_DecodeLatin1
 
-cimport numpy as cnp
 import numpy as np
 
 from deltacells.codec._common cimport (
@@ -21,27 +20,11 @@ from deltacells.codec._common cimport (
 )
 from deltacells.codec._rowsort cimport (
     SortScratch,
-    dc_sort32_fn,
     free_sort_scratch,
     new_sort_scratch,
-    numpy_sort32,
     row_to_mapped_order,
 )
-from deltacells.codec.rowsort import simd_row_sort_wanted
-
-cnp.import_array()
-# numpy's SIMD sort for narrow rows, or NULL for the radix sort (see codec/rowsort.py).
-cdef dc_sort32_fn _sort32 = numpy_sort32(simd_row_sort_wanted())
-
-
-def _use_simd_row_sort(wanted=None):
-    """Sort rows with numpy's quicksort (True) or the radix sort (False) from now on, or keep
-    the choice (None); tests and benchmarks compare the two. Returns the previous choice."""
-    global _sort32
-    previous = _sort32 != NULL
-    if wanted is not None:
-        _sort32 = numpy_sort32(bool(wanted))
-    return previous
+from deltacells.codec._decode cimport row_sort32
 
 
 cdef inline int _row_mapped_unsorted(const int32_t* idx, const value_t* val, int64_t n,
@@ -82,7 +65,7 @@ cdef void _remap_rows(const int64_t* indptr, const int32_t* indices, const value
     cdef int st
     cdef SortScratch sorting
     with parallel(num_threads=n_threads):
-        sorting = new_sort_scratch(capacity, sizeof(value_t) == 8, _sort32)
+        sorting = new_sort_scratch(capacity, sizeof(value_t) == 8, row_sort32())
         for block in prange(n_blocks, schedule="dynamic"):
             if not sorting.ready:
                 status[block] = E_NOMEM
@@ -227,7 +210,7 @@ def take_rows_into(const int64_t[::1] indptr, const int32_t[::1] indices,
     if n_pos == 0:
         return
     with nogil, parallel(num_threads=n_threads):
-        sorting = new_sort_scratch(capacity, sizeof(value_t) == 8, _sort32)
+        sorting = new_sort_scratch(capacity, sizeof(value_t) == 8, row_sort32())
         for k in prange(n_pos, schedule="dynamic", chunksize=64):
             j = positions[k]
             r = rows[j]
