@@ -55,7 +55,6 @@ from deltacells.codec._rowsort cimport (
     dc_sort32_fn,
     free_sort_scratch,
     new_sort_scratch,
-    numpy_sort32,
     row_to_mapped_order,
 )
 from deltacells.codec._zstd cimport (
@@ -73,7 +72,23 @@ from deltacells.codec._status import raise_status
 from deltacells.codec.rowsort import simd_row_sort_wanted
 
 
+cdef extern from "numpy/arrayobject.h":
+    ctypedef struct PyArray_ArrFuncs:
+        void* sort[3]  # NPY_QUICKSORT first
+    PyArray_ArrFuncs* PyDataType_GetArrFuncs(cnp.dtype descr)
+
+
 cnp.import_array()
+
+
+cdef dc_sort32_fn numpy_sort32(bint wanted) noexcept:
+    """numpy's quicksort of uint32 (x86-simd-sort's AVX-512 code where the CPU has it) when
+    ``wanted``, else NULL (the radix sort)."""
+    if not wanted:
+        return NULL
+    return <dc_sort32_fn>PyDataType_GetArrFuncs(cnp.PyArray_DescrFromType(cnp.NPY_UINT32)).sort[0]
+
+
 # numpy's SIMD sort for narrow rows, or NULL for the radix sort (see codec/rowsort.py).
 cdef dc_sort32_fn _sort32 = numpy_sort32(simd_row_sort_wanted())
 

@@ -4,25 +4,9 @@ source gene order) and the row kernels (writer gene order, joins, minibatches)."
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 
-cimport numpy as cnp
-
 from deltacells.codec._common cimport (
     E_CELL_RANGE, E_ZERO_GAP, OK, dc_row_sort, dc_sort32_fn, value_t,
 )
-
-
-cdef extern from "numpy/arrayobject.h":
-    ctypedef struct PyArray_ArrFuncs:
-        void* sort[3]  # NPY_QUICKSORT first
-    PyArray_ArrFuncs* PyDataType_GetArrFuncs(cnp.dtype descr)
-
-
-cdef inline dc_sort32_fn numpy_sort32(bint wanted) noexcept:
-    """numpy's quicksort of uint32 (x86-simd-sort's AVX-512 code where the CPU has it) when
-    ``wanted``, else NULL (the radix sort); the module must have called ``import_array``."""
-    if not wanted:
-        return NULL
-    return <dc_sort32_fn>PyDataType_GetArrFuncs(cnp.PyArray_DescrFromType(cnp.NPY_UINT32)).sort[0]
 
 
 cdef struct SortScratch:
