@@ -362,12 +362,12 @@ class DeltacellsCSRDataset(CSRDataset):
                                 sums.row(t, header, store.read_range, store.describe))  # fmt: skip
             chunk_ends = ranged.chunk_table()[:, 1].astype(np.int64)
             chunk_of = np.searchsorted(chunk_ends, local, side="right")
-            # Runs of consecutive touched chunks are read together.
-            touched = np.unique(chunk_of)
-            breaks = np.flatnonzero(np.diff(touched) > 1) + 1
-            selections = [local[(chunk_of >= run[0]) & (chunk_of <= run[-1])]
-                          for run in np.split(touched, breaks)]  # fmt: skip
-            return ranged.plan([(int(r[0]), int(r[-1]) + 1) for r in selections]), selections
+            # Runs of consecutive touched chunks are read together: local is sorted, so each
+            # run's rows are one stretch of it.
+            heads = np.flatnonzero(np.diff(chunk_of, prepend=-2) > 1)
+            tails = np.append(heads[1:], len(local)) - 1
+            runs = np.stack([local[heads], local[tails] + 1], axis=1)
+            return ranged.plan(runs), np.diff(np.append(heads, len(local))), local
 
         ranged_tiles = [int(t) for t in np.unique(tile_of[~whole])]
         # Three rounds, each concurrent over every tile on remote stores: header and chunk
@@ -375,11 +375,14 @@ class DeltacellsCSRDataset(CSRDataset):
         each = (map if store.is_local or len(ranged_tiles) < 2
                 else _pool("ranged", RANGED_REQUESTS_IN_FLIGHT).map)  # fmt: skip
         plans = list(each(plan, ranged_tiles))
-        jobs = [(i, key) for i, (p, _) in enumerate(plans) for key, _ in p.requests()]
-        blobs = list(each(lambda job: plans[job[0]][0].fetch(job[1]), jobs))
-        fetched: list[dict[int, bytes]] = [{} for _ in plans]
-        for (i, key), blob in zip(jobs, blobs, strict=True):
-            fetched[i][key] = blob
+        if store.is_local:  # a tile's requests in one call: its file opened once
+            fetched = [p.fetch_all() for p, *_ in plans]
+        else:
+            jobs = [(i, key) for i, (p, *_) in enumerate(plans) for key, _ in p.requests()]
+            blobs = list(each(lambda job: plans[job[0]][0].fetch(job[1]), jobs))
+            fetched = [{} for _ in plans]
+            for (i, key), blob in zip(jobs, blobs, strict=True):
+                fetched[i][key] = blob
         # Several tiles: a thread per tile, each assembling and gathering on one thread (a
         # tile's few rows rarely fill more than one chunk; the decoding of one tile, which
         # releases the GIL, overlaps the checks of another).
@@ -387,11 +390,10 @@ class DeltacellsCSRDataset(CSRDataset):
         per_tile = len(plans) > 1 and threads > 1
 
         def build(item) -> sp.csr_matrix:
-            (p, selections), got = item
+            (p, run_sizes, local), got = item
             # The tile's runs as one small tile: one parse and one gather of just the rows.
             mini, shifts = p.assemble_one(got)
-            rows = np.concatenate([picked + shift
-                                   for shift, picked in zip(shifts, selections, strict=True)])
+            rows = local + np.repeat(shifts, run_sizes)
             return mini.gather(rows, self.dtype, n_threads=1 if per_tile else threads,
                                col_map=self._to_source)  # fmt: skip
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from deltacells.codec import _checksum
 from deltacells.codec.format import (
     GAPS_LEN,
     GAPS_OFF,
@@ -42,7 +43,6 @@ __all__ = [
     "FileTable",
     "check_checksum_row",
     "check_seal",
-    "chunk_crc",
     "file_record",
     "sealed_json",
     "tile_checksum_row",
@@ -191,17 +191,6 @@ class FileTable:
 # -- chunk checksums ------------------------------------------------------------------------------
 
 
-def chunk_crc(entry: bytes, indptr: bytes, frames: list) -> int:
-    """CRC-32 of one chunk: its table entry, its indptr slice (``indptr[cell_lo:cell_hi + 1]``,
-    little-endian int64) and its frames (gaps, vals, vexc, gexc; absent ones skipped)."""
-    crc = zlib.crc32(entry)
-    crc = zlib.crc32(indptr, crc)
-    for frame in frames:
-        if len(frame):
-            crc = zlib.crc32(frame, crc)
-    return crc
-
-
 def tile_checksum_row(blob: Any) -> np.ndarray:
     """The checksum row of a version-2 tile: ``[n_chunks, crc32(chunk table), crc of chunk 0,
     ...]`` (uint32), as the writer stores it in the chunk checksum file."""
@@ -214,14 +203,14 @@ def tile_checksum_row(blob: Any) -> np.ndarray:
     row = np.empty(2 + n_chunks, dtype=np.uint32)
     row[0] = n_chunks
     row[1] = zlib.crc32(data[HEADER_SIZE:table_end])
-    for c in range(n_chunks):
-        lo, hi = int(table[c, 0]), int(table[c, 1])
-        indptr = data[indptr_off + 8 * lo : indptr_off + 8 * (hi + 1)]
-        frames = [data[int(o) : int(o) + int(n)]
-                  for o, n in zip(table[c, GAPS_OFF::2][:4], table[c, GAPS_LEN::2][:4],
-                                  strict=True)]  # fmt: skip
-        row[2 + c] = chunk_crc(data[HEADER_SIZE + entry * c : HEADER_SIZE + entry * (c + 1)],
-                               indptr, frames)  # fmt: skip
+    # Each chunk: its table entry, its indptr slice, then its frames (see chunk_crcs).
+    cells = table[:, :2].astype(np.int64)
+    row[2:] = _checksum.chunk_crcs(
+        np.frombuffer(data[HEADER_SIZE:table_end], dtype=np.uint8).reshape(n_chunks, entry),
+        np.frombuffer(data, dtype=np.uint8), indptr_off + 8 * cells[:, 0],
+        indptr_off + 8 * (cells[:, 1] + 1), np.frombuffer(data, dtype=np.uint8),
+        np.ascontiguousarray(table[:, GAPS_OFF::2][:, :4], dtype=np.int64),
+        np.ascontiguousarray(table[:, GAPS_LEN::2][:, :4], dtype=np.int64))  # fmt: skip
     return row
 
 

@@ -16,17 +16,19 @@ from collections.abc import Callable
 
 import numpy as np
 
+from deltacells.codec import _checksum
 from deltacells.codec.format import (
+    ALIGNMENT,
     GAPS_LEN,
     GAPS_OFF,
     HEADER_SIZE,
     FormatError,
     TileHeader,
     chunk_entry_size,
+    pack_header,
     parse_header,
 )
-from deltacells.codec.tile import Tile, _assemble
-from deltacells.store.integrity import chunk_crc
+from deltacells.codec.tile import Tile
 from deltacells.store.storage import Store
 
 __all__ = ["RangedPlan", "RangedTile"]
@@ -90,12 +92,16 @@ class RangedTile:
 
     def _read(self, start: int, stop: int) -> bytes:
         data = self.store.read_range(self.name, start, stop)
+        self._count(start, stop, data)
+        return data
+
+    def _count(self, start: int, stop: int, data: bytes) -> None:
+        """Count ``data`` as read, checking it is all of bytes ``start:stop``."""
         self.bytes_read += len(data)
         if len(data) != stop - start:
             raise FormatError(f"{self.where}: bytes {start}:{stop} asked, {len(data)} read "
                               f"(the object is shorter than the {self.size} bytes "
                               "recorded)")  # fmt: skip
-        return data
 
     def _entries(self, first: int, stop: int) -> np.ndarray:
         data = self._read(HEADER_SIZE + self.entry * first, HEADER_SIZE + self.entry * stop)
@@ -127,80 +133,104 @@ class RangedTile:
     def rows_tile(self, lo: int, hi: int) -> tuple[Tile, int]:
         """Rows ``lo:hi`` (``0 <= lo < hi <= n_cells``) and whatever else shares their chunks,
         as ``(tile, first_row)``: the tile's row ``i`` is stored row ``first_row + i``."""
-        return self.rows_tiles([(lo, hi)])[0]
-
-    def rows_tiles(self, runs: list[tuple[int, int]]) -> list[tuple[Tile, int]]:
-        """:meth:`rows_tile` for several runs of rows (increasing, not overlapping) with few
-        requests: one for the indptr they span, and one per group of frame ranges less than
-        :data:`MERGE_GAP` bytes apart (made one after the other; see :meth:`plan` to make
-        them concurrently with other tiles')."""
-        plan = self.plan(runs)
-        fetched = {key: self._read(start, stop) for key, (start, stop) in plan.requests()}
-        return plan.assemble(fetched)
+        plan = self.plan([(lo, hi)])
+        tile, shifts = plan.assemble_one(plan.fetch_all())
+        return tile, int(-shifts[0])
 
     def plan(self, runs: list[tuple[int, int]]) -> RangedPlan:
-        """Read the chunk entries and the indptr of ``runs``; return what is left to fetch
-        (:meth:`RangedPlan.requests`) and how to lay it out (:meth:`RangedPlan.assemble`)."""
+        """Read the chunk entries and the indptr of ``runs`` (rows ``lo:hi``, increasing, not
+        overlapping); return what is left to fetch (:meth:`RangedPlan.requests`) and how to
+        lay it out (:meth:`RangedPlan.assemble_one`). All runs are checked at once: a tile
+        read for many random rows has hundreds of runs."""
         h = self.header
-        spans = []
-        for lo, hi in runs:
-            if not 0 <= lo < hi <= h.n_cells:
-                raise IndexError(f"rows {lo}:{hi} outside the tile's {h.n_cells}")
-            first, entries = self._chunks_for(lo, hi)
-            entries = entries.astype(np.int64)
-            cell_lo, cell_hi = int(entries[0, 0]), int(entries[-1, 1])
-            if (np.diff(entries[:, 0]) <= 0).any() or (entries[1:, 0] != entries[:-1, 1]).any() \
-                    or not 0 <= cell_lo <= lo < hi <= cell_hi <= h.n_cells:  # fmt: skip
-                raise FormatError(f"{self.where}: chunks {first}.. do not cover rows {lo}:{hi} "
-                                  "contiguously")  # fmt: skip
-            offsets = entries[:, GAPS_OFF::2][:, :4]
-            lengths = entries[:, GAPS_LEN::2][:, :4]
-            present = lengths > 0
-            if not present.any():
-                raise FormatError(f"{self.where}: chunks {first}.. have no frames")
-            region = (int(offsets[present].min()), int((offsets + lengths)[present].max()))
-            if region[0] < h.indptr_off + 8 * (h.n_cells + 1) or region[1] > self.size:
-                raise FormatError(f"{self.where}: frames of chunks {first}.. lie outside the "
-                                  "tile")  # fmt: skip
-            spans.append((first, entries, offsets, lengths, region))
+        bounds = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+        if not len(bounds):
+            raise ValueError("no rows to read")
+        lo, hi = bounds[:, 0], bounds[:, 1]
+        bad = np.flatnonzero((lo < 0) | (lo >= hi) | (hi > h.n_cells))
+        if bad.size:
+            i = bad[0]
+            raise IndexError(f"rows {lo[i]}:{hi[i]} outside the tile's {h.n_cells}")
+        if self.chunk_rows and self._table is None:  # a few runs: their entries alone
+            pieces = [self._chunks_for(int(a), int(b)) for a, b in bounds]
+            counts = np.array([len(e) for _, e in pieces], dtype=np.int64)
+            ids = np.concatenate([first + np.arange(len(e)) for first, e in pieces])
+            raw = np.concatenate([e for _, e in pieces])
+        else:
+            table = self.chunk_table()
+            first = np.searchsorted(table[:, 1], lo, side="right")
+            last = np.searchsorted(table[:, 1], hi - 1, side="right")
+            beyond = np.flatnonzero(last >= h.n_chunks)
+            if beyond.size:
+                i = beyond[0]
+                raise FormatError(f"{self.where}: rows {lo[i]}:{hi[i]} are beyond its chunks")
+            counts = (last - first + 1).astype(np.int64)
+            ids = np.repeat(first, counts) + _ranks(counts)
+            raw = table[ids]
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        entries = raw.astype(np.int64)
+        cell_lo, cell_hi = entries[starts[:-1], 0], entries[starts[1:] - 1, 1]
+        # Within a run each chunk starts where the one before ends, later than it began.
+        broken = (entries[1:, 0] <= entries[:-1, 0]) | (entries[1:, 0] != entries[:-1, 1])
+        broken[starts[1:-1] - 1] = False  # pairs across two runs
+        bad_run = np.zeros(len(bounds), dtype=bool)
+        bad_run[np.searchsorted(starts, np.flatnonzero(broken), side="right") - 1] = True
+        bad_run |= (cell_lo < 0) | (cell_lo > lo) | (hi > cell_hi) | (cell_hi > h.n_cells)
+        if bad_run.any():
+            i = int(np.flatnonzero(bad_run)[0])
+            raise FormatError(f"{self.where}: chunks {ids[starts[i]]}.. do not cover rows "
+                              f"{lo[i]}:{hi[i]} contiguously")  # fmt: skip
+        offsets = entries[:, GAPS_OFF::2][:, :4]
+        lengths = entries[:, GAPS_LEN::2][:, :4]
+        present = lengths > 0
+        framed = np.logical_or.reduceat(present.any(axis=1), starts[:-1])
+        streams_start = h.indptr_off + 8 * (h.n_cells + 1)
+        outside = present & ((offsets < streams_start) | (lengths > self.size)
+                             | (offsets > self.size - lengths))  # fmt: skip
+        bad_run = ~framed
+        outside_chunks = np.flatnonzero(outside.any(axis=1))
+        bad_run[np.searchsorted(starts, outside_chunks, side="right") - 1] = True
+        if bad_run.any():
+            i = int(np.flatnonzero(bad_run)[0])
+            why = "lie outside the tile" if framed[i] else "have no frames"
+            raise FormatError(f"{self.where}: frames of chunks {ids[starts[i]]}.. {why}")
+        chunk_lo = np.where(present, offsets, np.iinfo(np.int64).max).min(axis=1)
+        chunk_hi = np.where(present, offsets + lengths, 0).max(axis=1)
+        regions = np.stack([np.minimum.reduceat(chunk_lo, starts[:-1]),
+                            np.maximum.reduceat(chunk_hi, starts[:-1])], axis=1)  # fmt: skip
         # One read for the indptr of every run.
-        lo_cell = min(int(e[0, 0]) for _, e, *_ in spans)
-        hi_cell = max(int(e[-1, 1]) for _, e, *_ in spans)
+        lo_cell, hi_cell = int(cell_lo.min()), int(cell_hi.max())
         data = self._read(h.indptr_off + 8 * lo_cell, h.indptr_off + 8 * (hi_cell + 1))
-        indptr = np.frombuffer(data, dtype="<i8").astype(np.int64)
-        return RangedPlan(self, spans, indptr, lo_cell)
+        return RangedPlan(self, ids, raw, entries, starts, regions, data, lo_cell)
+
+
+def _ranks(counts: np.ndarray) -> np.ndarray:
+    """``0, 1, ..., counts[0] - 1, 0, 1, ..., counts[1] - 1, ...``."""
+    total = int(counts.sum())
+    return np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 class RangedPlan:
-    """The frames still to fetch for some runs of one tile's rows, and their layout as tiles
-    (made by :meth:`RangedTile.plan`)."""
+    """The frames still to fetch for some runs of one tile's rows, and their layout as one
+    small tile (made by :meth:`RangedTile.plan`). Chunk arrays hold the runs' chunks one run
+    after the other: run ``i`` has chunks ``starts[i]:starts[i + 1]``."""
 
-    def _check_chunks(self, first: int, entries: np.ndarray, frames: list) -> None:
-        """Each fetched chunk (entry, indptr slice, frames) against its CRC-32."""
-        tile = self.tile
-        expected = tile._sums[1]
-        for j, entry in enumerate(entries):
-            lo, hi = int(entry[0]), int(entry[1])
-            indptr = self.indptr[lo - self.lo_cell : hi - self.lo_cell + 1]
-            crc = chunk_crc(entry.astype("<u8").tobytes(), indptr.astype("<i8").tobytes(),
-                            frames[j])  # fmt: skip
-            if first + j >= len(expected) or crc != expected[first + j]:
-                raise FormatError(f"{tile.where}: chunk {first + j} (its table entry, indptr or "
-                                  "frames) does not match its CRC-32 in the chunk checksums "
-                                  "(damaged)")  # fmt: skip
-
-    def __init__(self, tile: RangedTile, spans: list, indptr: np.ndarray, lo_cell: int) -> None:
-        self.tile, self.spans, self.indptr, self.lo_cell = tile, spans, indptr, lo_cell
+    def __init__(self, tile: RangedTile, ids: np.ndarray, raw: np.ndarray, entries: np.ndarray,
+                 starts: np.ndarray, regions: np.ndarray, indptr: bytes, lo_cell: int) -> None:
+        self.tile, self.ids, self.raw, self.entries = tile, ids, raw, entries
+        self.starts, self.regions, self.lo_cell = starts, regions, lo_cell
+        self.indptr_bytes = np.frombuffer(indptr, dtype=np.uint8)
+        self.indptr = np.frombuffer(indptr, dtype="<i8").astype(np.int64)
         # Frame ranges close together are fetched together.
-        order = sorted(range(len(spans)), key=lambda i: spans[i][4][0])
-        self.groups: list[list[int]] = []
-        for i in order:
-            if self.groups and spans[i][4][0] - spans[self.groups[-1][-1]][4][1] <= MERGE_GAP:
-                self.groups[-1].append(i)
-            else:
-                self.groups.append([i])
-        self._ranges = [(min(spans[j][4][0] for j in group), max(spans[j][4][1] for j in group))
-                        for group in self.groups]  # fmt: skip
+        order = np.argsort(regions[:, 0], kind="stable")
+        begin, end = regions[order, 0], regions[order, 1]
+        fresh = np.ones(len(order), dtype=bool)
+        fresh[1:] = begin[1:] - np.maximum.accumulate(end)[:-1] > MERGE_GAP
+        self.request_of_run = np.empty(len(order), dtype=np.int64)
+        self.request_of_run[order] = np.cumsum(fresh) - 1
+        heads = np.flatnonzero(fresh)
+        ends = np.maximum.reduceat(end, heads)
+        self._ranges = [(int(a), int(b)) for a, b in zip(begin[heads], ends, strict=True)]
 
     def requests(self) -> list[tuple[int, tuple[int, int]]]:
         """``(key, (start, stop))`` byte ranges of the tile to fetch."""
@@ -210,73 +240,101 @@ class RangedPlan:
         """Request ``key`` (for callers running the requests of many tiles concurrently)."""
         return self.tile._read(*self._ranges[key])
 
-    def _frames_of(self, fetched: dict[int, bytes]) -> list[list[list[bytes]]]:
-        """Per run, per chunk, its four frames cut from the fetched requests."""
-        where: dict[int, tuple[int, bytes]] = {}
-        for k, ((start, _), group) in enumerate(zip(self._ranges, self.groups, strict=True)):
-            for j in group:
-                where[j] = (start, fetched[k])
-        out = []
-        for i, (_, _, offsets, lengths, _) in enumerate(self.spans):
-            base, blob = where[i]
-            out.append([[blob[int(o) - base : int(o + n) - base] if n else b""
-                         for o, n in zip(row_off, row_len, strict=True)]
-                        for row_off, row_len in zip(offsets, lengths, strict=True)])  # fmt: skip
-        return out
-
-    def _run_indptr(self, i: int) -> np.ndarray:
-        """The indptr of run ``i``'s cells (absolute nonzero positions), checked against its
-        chunks' entries."""
-        first, entries, *_ = self.spans[i]
-        cell_lo, cell_hi = int(entries[0, 0]), int(entries[-1, 1])
-        nnz_lo, nnz_hi = int(entries[0, 2]), int(entries[-1, 3])
-        indptr = self.indptr[cell_lo - self.lo_cell : cell_hi - self.lo_cell + 1]
-        if indptr[0] != nnz_lo or indptr[-1] != nnz_hi:
-            raise FormatError(f"{self.tile.where}: indptr does not match chunks {first}.. "
-                              f"({indptr[0]}..{indptr[-1]} vs {nnz_lo}..{nnz_hi})")  # fmt: skip
-        return indptr
+    def fetch_all(self) -> dict[int, bytes]:
+        """Every request, in one call to the store (a local file is opened once)."""
+        tile = self.tile
+        blobs = tile.store.read_ranges(tile.name, self._ranges)
+        for (start, stop), data in zip(self._ranges, blobs, strict=True):
+            tile._count(start, stop, data)
+        return dict(enumerate(blobs))
 
     def assemble_one(self, fetched: dict[int, bytes]) -> tuple[Tile, np.ndarray]:
         """Every run as one small validated tile, their chunks one after the other (a tile is
         any sequence of self-contained chunks), and each run's shift: stored row ``r`` of run
-        ``i`` is row ``r + shifts[i]`` of that tile. One tile to parse and decode per tile
-        read, instead of one per run."""
-        tile = self.tile
-        frames_of_runs = self._frames_of(fetched)
-        bounds, indptr_parts, frames = [0], [np.zeros(1, dtype=np.int64)], []
-        shifts = np.zeros(len(self.spans), dtype=np.int64)
-        n_rows = nnz = 0
-        for i, (first, entries, _, _, _) in enumerate(self.spans):
-            indptr = self._run_indptr(i)
-            if tile._sums is not None:
-                self._check_chunks(first, entries, frames_of_runs[i])
-            cell_lo, cell_hi = int(entries[0, 0]), int(entries[-1, 1])
-            shifts[i] = n_rows - cell_lo
-            bounds.extend((entries[:, 1] + shifts[i]).tolist())
-            indptr_parts.append(indptr[1:] - indptr[0] + nnz)
-            frames.extend(frames_of_runs[i])
-            n_rows += cell_hi - cell_lo
-            nnz += int(indptr[-1] - indptr[0])
-        blob = _assemble(np.concatenate(indptr_parts), np.asarray(bounds, dtype=np.int64),
-                         frames, n_rows, tile.header.n_genes, 1)  # fmt: skip
-        name = f"{tile.where} ({len(self.spans)} runs of rows, ranged read)"
-        return Tile(blob, name=name, n_threads=1), shifts
+        ``i`` is row ``r + shifts[i]`` of that tile. Each run's frames are copied as the one
+        block they were fetched in, every chunk (entry, indptr slice, frames) checked against
+        its CRC-32 first when the tile has chunk checksums."""
+        tile, entries, starts = self.tile, self.entries, self.starts
+        blobs = [fetched[k] for k in range(len(self._ranges))]
+        data = np.frombuffer(b"".join(blobs), dtype=np.uint8)
+        request_at = np.concatenate([[0], np.cumsum([len(b) for b in blobs])])[:-1]
+        request_start = np.array([a for a, _ in self._ranges], dtype=np.int64)
+        first_in_run = starts[:-1]
+        run_of_chunk = np.repeat(np.arange(len(first_in_run)), np.diff(starts))
+        region_lo = self.regions[:, 0]
+        # Where each run's region starts in data, and each chunk's frames there.
+        run_at = region_lo - request_start[self.request_of_run] + request_at[self.request_of_run]
+        offsets = entries[:, GAPS_OFF::2][:, :4]
+        lengths = np.maximum(entries[:, GAPS_LEN::2][:, :4], 0)
+        present = lengths > 0
+        moved = (run_at - region_lo)[run_of_chunk][:, None]
+        frame_pos = np.ascontiguousarray(np.where(present, offsets + moved, 0))
+        frame_len = np.ascontiguousarray(np.where(present, lengths, 0))
+        # The indptr of every run's cells against its chunks' entries.
+        cell_lo, cell_hi = entries[first_in_run, 0], entries[starts[1:] - 1, 1]
+        at_lo, at_hi = self.indptr[cell_lo - self.lo_cell], self.indptr[cell_hi - self.lo_cell]
+        bad = np.flatnonzero((at_lo != entries[first_in_run, 2])
+                             | (at_hi != entries[starts[1:] - 1, 3]))  # fmt: skip
+        if bad.size:
+            i = bad[0]
+            raise FormatError(f"{tile.where}: indptr does not match chunks {self.ids[starts[i]]}.. "
+                              f"({at_lo[i]}..{at_hi[i]} vs {entries[starts[i], 2]}.."
+                              f"{entries[starts[i + 1] - 1, 3]})")  # fmt: skip
+        if tile._sums is not None:
+            self._check_chunks(data, frame_pos, frame_len)
+        # The small tile: its chunk table, indptr, then each run's block of frames, placed at
+        # the block's alignment so that every frame stays 8-byte aligned.
+        n_rows_run = cell_hi - cell_lo
+        row_at = np.concatenate([[0], np.cumsum(n_rows_run)])
+        shifts = row_at[:-1] - cell_lo
+        nnz_run = at_hi - at_lo
+        nnz_at = np.concatenate([[0], np.cumsum(nnz_run)])
+        cells = np.repeat(cell_lo - self.lo_cell + 1, n_rows_run) + _ranks(n_rows_run)
+        indptr = np.concatenate([[0], self.indptr[cells] - np.repeat(at_lo - nnz_at[:-1],
+                                                                    n_rows_run)])  # fmt: skip
+        n_rows, n_chunks = int(row_at[-1]), len(entries)
+        entry = chunk_entry_size(2)
+        indptr_off = HEADER_SIZE + entry * n_chunks
+        pos = indptr_off + 8 * (n_rows + 1)
+        block_at = np.empty(len(first_in_run), dtype=np.int64)
+        for i, (a, b) in enumerate(self.regions.tolist()):
+            pos += (a - pos) % ALIGNMENT
+            block_at[i] = pos
+            pos += b - a
+        table = np.zeros((n_chunks, entry // 8), dtype="<u8")
+        new_lo = entries[:, 0] + shifts[run_of_chunk]
+        new_hi = entries[:, 1] + shifts[run_of_chunk]
+        table[:, 0], table[:, 1] = new_lo, new_hi
+        table[:, 2], table[:, 3] = indptr[new_lo], indptr[new_hi]
+        placed = (block_at - region_lo)[run_of_chunk][:, None]
+        table[:, GAPS_OFF::2] = np.where(present, offsets + placed, 0)
+        table[:, GAPS_LEN::2] = frame_len
+        out = np.zeros(pos, dtype=np.uint8)
+        out[HEADER_SIZE:indptr_off] = table.view(np.uint8).reshape(-1)
+        out[indptr_off : indptr_off + 8 * (n_rows + 1)] = indptr.astype("<i8").view(np.uint8)
+        for i, (a, b) in enumerate(self.regions.tolist()):
+            at = int(run_at[i])
+            out[block_at[i] : block_at[i] + b - a] = data[at : at + b - a]
+        crc = _checksum.crc32_range(out, HEADER_SIZE, 1)
+        out[:HEADER_SIZE] = np.frombuffer(pack_header(
+            n_cells=n_rows, nnz=int(indptr[-1]), n_genes=tile.header.n_genes, n_chunks=n_chunks,
+            indptr_off=indptr_off, total_size=pos, crc32=crc), dtype=np.uint8)  # fmt: skip
+        name = f"{tile.where} ({len(first_in_run)} runs of rows, ranged read)"
+        # Its CRC was just computed from these bytes; its pieces were checked above.
+        return Tile(out, name=name, verify_crc=False, n_threads=1), shifts
 
-    def assemble(self, fetched: dict[int, bytes]) -> list[tuple[Tile, int]]:
-        """The runs as small validated tiles, ``(tile, first_row)`` each, from the fetched
-        requests."""
-        tile = self.tile
-        h = tile.header
-        out = []
-        for i, frames in enumerate(self._frames_of(fetched)):
-            first, entries, *_ = self.spans[i]
-            indptr = self._run_indptr(i)
-            if tile._sums is not None:
-                self._check_chunks(first, entries, frames)
-            cell_lo, cell_hi = int(entries[0, 0]), int(entries[-1, 1])
-            bounds = np.append(entries[:, 0], cell_hi) - cell_lo
-            tile_blob = _assemble(indptr - indptr[0], bounds, frames, cell_hi - cell_lo,
-                                  h.n_genes, 1)  # fmt: skip
-            name = f"{tile.where} (rows {cell_lo}:{cell_hi}, ranged read)"
-            out.append((Tile(tile_blob, name=name, n_threads=1), cell_lo))
-        return out
+    def _check_chunks(self, data: np.ndarray, frame_pos: np.ndarray,
+                      frame_len: np.ndarray) -> None:
+        """Each fetched chunk (entry, indptr slice, frames) against its CRC-32."""
+        tile, entries = self.tile, self.entries
+        crcs = _checksum.chunk_crcs(
+            np.ascontiguousarray(self.raw, dtype="<u8").view(np.uint8).reshape(len(entries), -1),
+            self.indptr_bytes, 8 * (entries[:, 0] - self.lo_cell),
+            8 * (entries[:, 1] - self.lo_cell + 1), data, frame_pos, frame_len)  # fmt: skip
+        expected = tile._sums[1]
+        known = self.ids < len(expected)
+        bad = np.flatnonzero(~known | (crcs != expected[np.where(known, self.ids, 0)]))
+        if bad.size:
+            raise FormatError(f"{tile.where}: chunk {self.ids[bad[0]]} (its table entry, indptr "
+                              "or frames) does not match its CRC-32 in the chunk checksums "
+                              "(damaged)")  # fmt: skip

@@ -546,6 +546,18 @@ class Store:
 
         return self._retrying("ranged read", name, fetch)
 
+    def read_ranges(self, name: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Bytes ``start:stop`` of object ``name`` for each ``(start, stop)`` of ``ranges``:
+        a local file is opened (and its path checked) once for all of them."""
+        if not self.is_local:
+            return [self.read_range(name, start, stop) for start, stop in ranges]
+
+        def read() -> list[bytes]:
+            with self._local_file(name) as f:
+                return [os.pread(f.fileno(), stop - start, start) for start, stop in ranges]
+
+        return self._retrying("ranged read", name, read)
+
     def prefetch(self, names: list[str], sizes: list[int] | None = None) -> dict[str, Future]:
         """Start reading ``names`` (as :meth:`read_buffer`, with their expected ``sizes`` if
         given) in background threads; returns a future per name."""
