@@ -82,8 +82,7 @@ class SpatialPart(DatasetPart):
         if column_order not in ("source", "stored"):
             raise ValueError(f"column_order must be 'source' or 'stored', not {column_order!r}")
         asked = [genes] if isinstance(genes, str | int | float | np.number) else list(genes)
-        order = self.var.gene_order()
-        source_to_stored = np.argsort(order) if order is not None else None
+        source_to_stored = self.var.source_to_stored()
         names: np.ndarray | None = None
         stored = []
         for g in asked:

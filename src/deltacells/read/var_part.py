@@ -21,6 +21,7 @@ class VarPart(DatasetPart):
     def __init__(self, stored: StoredFiles) -> None:
         super().__init__(stored)
         self._gene_order: np.ndarray | None = None
+        self._source_to_stored: np.ndarray | None = None
 
     def gene_order(self) -> np.ndarray | None:
         """``gene_order[j]`` is the source column of stored column ``j`` (None if absent).
@@ -36,6 +37,19 @@ class VarPart(DatasetPart):
                 raise FormatError(f"{where}: not a permutation of 0..{n - 1}")
             self._gene_order = order.astype(np.int64)
         return self._gene_order.copy()
+
+    def source_to_stored(self) -> np.ndarray | None:
+        """``source_to_stored[p]`` is the stored column of source column ``p`` (the inverse
+        of :meth:`gene_order`; None if absent). Made once per opened dataset; read-only."""
+        if self._source_to_stored is None:
+            order = self.gene_order()
+            if order is None:
+                return None
+            inverse = np.empty_like(order)
+            inverse[order] = np.arange(len(order))
+            inverse.flags.writeable = False
+            self._source_to_stored = inverse
+        return self._source_to_stored
 
     def var_names(self) -> list[str] | None:
         """Gene names in stored order (None if absent)."""

@@ -279,15 +279,18 @@ class GeneMajor:
                             checksums=self._checksums(b))  # fmt: skip
         self._check_block_header(b, ranged.header, store.describe(name))
         lo, _ = self.block_cells_of(b)
-        out = []
+        # The genes of each chunk are one run of rows; all runs are read as one small tile.
         chunk_of = stored_genes // self.chunk_genes
-        for chunk in np.unique(chunk_of):
-            genes = stored_genes[chunk_of == chunk]
-            tile, first = ranged.rows_tile(int(genes[0]), int(genes[-1]) + 1)
-            rows = tile.decode(dtype)
-            for g in genes:
-                r = rows[int(g) - first]
-                out.append((r.indices.astype(np.int64) + lo, r.data))
+        heads = np.flatnonzero(np.diff(chunk_of, prepend=-1) != 0)
+        tails = np.append(heads[1:], len(stored_genes)) - 1
+        plan = ranged.plan(np.stack([stored_genes[heads], stored_genes[tails] + 1], axis=1))
+        tile, shifts = plan.assemble_one(plan.fetch_all())
+        rows = tile.decode(dtype)
+        at = stored_genes + np.repeat(shifts, np.diff(np.append(heads, len(stored_genes))))
+        out = []
+        for r in at.tolist():
+            start, stop = rows.indptr[r], rows.indptr[r + 1]
+            out.append((rows.indices[start:stop].astype(np.int64) + lo, rows.data[start:stop]))
         self.bytes_read += ranged.bytes_read
         return out
 

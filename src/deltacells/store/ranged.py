@@ -65,8 +65,9 @@ class RangedTile:
                  checksums: Callable[[bytes], tuple[int, np.ndarray]] | None = None) -> None:
         self.store, self.name, self.size, self.chunk_rows = store, name, size, chunk_rows
         self.where = store.describe(name)
+        self._read_bytes = store.range_reader(name)  # a local file: opened once, here
         # The header and, when it is small, the whole chunk table in one read.
-        head = store.read_range(name, 0, min(HEADER_SIZE + TABLE_PREFETCH, size))
+        head = self._read_bytes(0, min(HEADER_SIZE + TABLE_PREFETCH, size))
         self.header: TileHeader = parse_header(head, self.where, object_size=size)
         if self.header.version != 2:
             raise FormatError(f"{self.where}: ranged reads need a version 2 tile")
@@ -91,17 +92,13 @@ class RangedTile:
         return np.frombuffer(data, dtype="<u8").reshape(self.header.n_chunks, self.entry // 8)
 
     def _read(self, start: int, stop: int) -> bytes:
-        data = self.store.read_range(self.name, start, stop)
-        self._count(start, stop, data)
-        return data
-
-    def _count(self, start: int, stop: int, data: bytes) -> None:
-        """Count ``data`` as read, checking it is all of bytes ``start:stop``."""
+        data = self._read_bytes(start, stop)
         self.bytes_read += len(data)
         if len(data) != stop - start:
             raise FormatError(f"{self.where}: bytes {start}:{stop} asked, {len(data)} read "
                               f"(the object is shorter than the {self.size} bytes "
                               "recorded)")  # fmt: skip
+        return data
 
     def _entries(self, first: int, stop: int) -> np.ndarray:
         data = self._read(HEADER_SIZE + self.entry * first, HEADER_SIZE + self.entry * stop)
@@ -241,12 +238,8 @@ class RangedPlan:
         return self.tile._read(*self._ranges[key])
 
     def fetch_all(self) -> dict[int, bytes]:
-        """Every request, in one call to the store (a local file is opened once)."""
-        tile = self.tile
-        blobs = tile.store.read_ranges(tile.name, self._ranges)
-        for (start, stop), data in zip(self._ranges, blobs, strict=True):
-            tile._count(start, stop, data)
-        return dict(enumerate(blobs))
+        """Every request, one after the other (for local files; see :meth:`fetch`)."""
+        return {key: self.tile._read(start, stop) for key, (start, stop) in self.requests()}
 
     def assemble_one(self, fetched: dict[int, bytes]) -> tuple[Tile, np.ndarray]:
         """Every run as one small validated tile, their chunks one after the other (a tile is

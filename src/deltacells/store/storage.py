@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import shutil
 import stat
@@ -19,6 +20,8 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -546,17 +549,13 @@ class Store:
 
         return self._retrying("ranged read", name, fetch)
 
-    def read_ranges(self, name: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-        """Bytes ``start:stop`` of object ``name`` for each ``(start, stop)`` of ``ranges``:
-        a local file is opened (and its path checked) once for all of them."""
+    def range_reader(self, name: str) -> Callable[[int, int], bytes]:
+        """A function ``read(start, stop)`` of bytes ``start:stop`` of object ``name``, for
+        several ranged reads of one object: a local file is opened (and its path checked)
+        once, here, and closed when the function is dropped."""
         if not self.is_local:
-            return [self.read_range(name, start, stop) for start, stop in ranges]
-
-        def read() -> list[bytes]:
-            with self._local_file(name) as f:
-                return [os.pread(f.fileno(), stop - start, start) for start, stop in ranges]
-
-        return self._retrying("ranged read", name, read)
+            return functools.partial(self.read_range, name)
+        return _OpenFile(self._retrying("ranged read", name, lambda: self._open_local(name)))
 
     def prefetch(self, names: list[str], sizes: list[int] | None = None) -> dict[str, Future]:
         """Start reading ``names`` (as :meth:`read_buffer`, with their expected ``sizes`` if
@@ -735,3 +734,14 @@ def open_store(
     if isinstance(root, Store):
         return root
     return Store(root, storage_options, **options)
+
+
+class _OpenFile:
+    """Ranged reads of one open local file (see :meth:`Store.range_reader`)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._close = weakref.finalize(self, os.close, fd)
+
+    def __call__(self, start: int, stop: int) -> bytes:
+        return os.pread(self.fd, stop - start, start)
