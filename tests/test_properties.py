@@ -241,6 +241,10 @@ def test_decimal_names_are_str_of_each_position(values):
     assert [text[a:b] for a, b in pairwise(offsets)] == [str(v) for v in values]
     objects = decimal_name_objects(positions)
     assert objects.dtype == object and objects.tolist() == [str(v) for v in values]
+    # Strings written in place must behave as any other: hashed, looked up, compared.
+    lookup = {str(v): i for i, v in enumerate(values)}
+    assert [lookup[name] for name in objects] == [lookup[str(v)] for v in values]
+    assert set(objects) == set(lookup)
 
 
 def test_decimal_names_refuse_negative_positions():

@@ -7,7 +7,11 @@ from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
 from cython cimport floating
 from libc.math cimport log1p as c_log1p
 from libc.string cimport memcpy
-from cpython.unicode cimport PyUnicode_DecodeLatin1
+
+cdef extern from "Python.h":
+    # A new compact ASCII string of ``size`` characters, its bytes written in place after.
+    object PyUnicode_New(Py_ssize_t size, Py_UCS4 maxchar)
+    void* PyUnicode_DATA(object unicode)
 
 import numpy as np
 
@@ -373,13 +377,13 @@ def decimal_name_objects(const int64_t[::1] positions):
     pandas 2 index holds), each made from its digits without a round trip through Arrow."""
     cdef Py_ssize_t n = positions.shape[0], i
     cdef int64_t length
-    cdef char digits[24]
     if n and np.min(positions) < 0:
         raise ValueError("decimal_name_objects: negative position")
     out = np.empty(n, dtype=object)
     cdef object[::1] view = out
     for i in range(n):
         length = _n_digits(positions[i])
-        _write_decimal(positions[i], <uint8_t*>digits + length)
-        view[i] = PyUnicode_DecodeLatin1(digits, length, NULL)
+        name = PyUnicode_New(length, 127)
+        _write_decimal(positions[i], <uint8_t*>PyUnicode_DATA(name) + length)
+        view[i] = name
     return out
