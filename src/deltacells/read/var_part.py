@@ -82,7 +82,7 @@ class VarPart(DatasetPart):
             data = self.stored.read_file(VAR_TABLE_NAME, max_size=MAX_VAR_TABLE_BYTES_PER_GENE
                                   * self.manifest.n_genes + 2**20)  # fmt: skip
             # pandas metadata is JSON inside the file: decoding it can fail too.
-            var = pq.read_table(arrow_reader(data)).to_pandas()
+            var = pq.ParquetFile(arrow_reader(data)).read().to_pandas()
         except PARQUET_ERRORS as err:
             raise FormatError(f"{where}: unreadable parquet ({err})") from None
         if len(var) != self.manifest.n_genes:
