@@ -41,7 +41,7 @@ from _common import machine, median_time, page_figure, save_figure
 
 import deltacells as dc
 from deltacells.store.storage import Store
-from deltacells.testing import side_python
+from deltacells.testing import SPATIALDATA_SPEC, side_python
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
@@ -342,7 +342,7 @@ def main() -> None:
             results.setdefault("boxes", {})[label] = rows
             print(label, json.dumps(rows))
         if not args.no_spatialdata:
-            python = side_python(SPATIALDATA_VENV, ["spatialdata==0.8.0"])
+            python = side_python(SPATIALDATA_VENV, SPATIALDATA_SPEC)
             if python is not None:
                 shapes_path = tmp / "shapes.parquet"
                 shapes.to_parquet(shapes_path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,20 @@ sys.path.insert(0, str(TESTS))
 
 DATA_DIR = TESTS.parent.parent / "shared" / "data"
 DATASETS = ("liao2020_balf", "chung2017_smartseq2", "visium_multisample")
+
+
+def pytest_collection_modifyitems(config, items):
+    """In ``tools/dev.sh test`` (CI), tests marked ``first_stack`` run on the first stack only:
+    they check tools run from that environment (the benchmark scripts, which
+    ``tools/dev.sh bench`` runs there), not the library on another stack, and would add
+    minutes to CI twice. ``tools/dev.sh test-newest`` runs them on the second stack too."""
+    if os.environ.get("DELTACELLS_SECOND_STACK") != "1":
+        return
+    skip = pytest.mark.skip(reason="first stack only in the two-stack run (tools/dev.sh "
+                                   "test-newest runs it here)")  # fmt: skip
+    for item in items:
+        if item.get_closest_marker("first_stack"):
+            item.add_marker(skip)
 
 
 def spatial_counts(n_cells: int, n_genes: int, *, extent: float, max_count: int, seed: int,

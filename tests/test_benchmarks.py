@@ -15,6 +15,9 @@ import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
+# The scripts run from the first stack's environment (tools/dev.sh bench).
+pytestmark = pytest.mark.first_stack
+
 
 def run(script: str, *args: str) -> None:
     done = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True,

@@ -19,13 +19,12 @@ from conftest import DATA_DIR, spatial_counts
 import deltacells as dc
 from deltacells.cli import main
 from deltacells.export import ROW_GROUP_MIN_ROWS, row_group_tiles, to_spatialdata
-from deltacells.testing import side_python
+from deltacells.testing import SPATIALDATA_SPEC, side_python
 
 gpd = pytest.importorskip("geopandas", reason="the spatial extra")
 shapely = pytest.importorskip("shapely")
 
 ROOT = Path(__file__).resolve().parents[1]
-SPATIALDATA_SPEC = ["spatialdata==0.8.0"]
 VISIUM = DATA_DIR / "visium_multisample.h5ad"
 
 #: What the child reports of a store, read with spatialdata.

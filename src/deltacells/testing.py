@@ -44,6 +44,7 @@ from deltacells.codec.tile import Tile
 from deltacells.store.integrity import sealed_json
 
 __all__ = [
+    "SPATIALDATA_SPEC",
     "FuzzReport",
     "ReferenceReject",
     "check_rejects_or_decodes",
@@ -522,37 +523,58 @@ def reseal(root: str | Path, manifest: dict | None = None) -> dict:
     return json.loads(text)
 
 
-def side_python(venv: str | Path, packages: list[str], explicit: str | None = None,
+#: What the spatialdata side environment holds (tests, ``bench_spatial``, ``tools/dev.sh``).
+SPATIALDATA_SPEC = ("spatialdata==0.8.0",)
+
+
+def side_python(venv: str | Path, packages: Iterable[str], explicit: str | None = None,
                 minimum: tuple[int, int] = (3, 12)) -> str | None:  # fmt: skip
     """The Python of a virtualenv at ``venv`` holding ``packages``, made on first use from a
     Python of at least ``minimum`` (``explicit``, then ``python3.12`` / ``python3.13`` on
     PATH, then pyenv's versions). For tools that need a newer Python than the project's
     (spatialdata, annbatch). None when no such Python exists on this machine.
+
+    Safe to call from several processes at once (the test command builds the spatialdata
+    environment in the background while a suite runs): one builds under a lock file beside
+    ``venv``, the others wait for it. An environment counts as made once its packages are
+    installed (a stamp inside it records them), so an interrupted build is finished by the
+    next call rather than used half-made.
     """
+    import fcntl
     import os
     import subprocess
 
-    python = Path(venv) / "bin" / "python"
-    if python.exists():
+    venv, packages = Path(venv), list(packages)
+    python = venv / "bin" / "python"
+    stamp = venv / ".side-python-packages"
+    wanted = "\n".join(packages)
+    if stamp.exists() and stamp.read_text() == wanted:
         return str(python)
     check = f"import sys; sys.exit(sys.version_info < {tuple(minimum)!r})"
 
     def runs(executable: str | None) -> bool:
         # A pyenv shim is on PATH even when its version is not selected: ask each to run.
-        return bool(executable) and subprocess.run(
-            [executable, "-c", check], capture_output=True).returncode == 0  # fmt: skip
+        if not executable or shutil.which(executable) is None:  # absent, or not a program
+            return False
+        return subprocess.run([executable, "-c", check], capture_output=True).returncode == 0
 
-    candidates = [explicit] if explicit else [shutil.which("python3.12"),
-                                              shutil.which("python3.13")]  # fmt: skip
-    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
-    candidates += [str(p) for p in sorted(pyenv.glob("3.1[2-9]*/bin/python"))]
-    base = next((c for c in candidates if runs(c)), None)
-    if base is None:
-        return None
-    subprocess.run([base, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], check=True)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{venv}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp.exists() and stamp.read_text() == wanted:  # made while this call waited
+            return str(python)
+        if not runs(str(python)):
+            candidates = [explicit] if explicit else [shutil.which("python3.12"),
+                                                      shutil.which("python3.13")]  # fmt: skip
+            pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+            candidates += [str(p) for p in sorted(pyenv.glob("3.1[2-9]*/bin/python"))]
+            base = next((c for c in candidates if runs(c)), None)
+            if base is None:
+                return None
+            subprocess.run([base, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], check=True)
+        stamp.write_text(wanted)
     return str(python)
-
 
 
 def repeat_tiles(base: str | Path, target: str | Path, n_tiles: int, *,
