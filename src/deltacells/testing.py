@@ -535,7 +535,7 @@ def side_python(venv: str | Path, packages: Iterable[str], explicit: str | None 
     (spatialdata, annbatch). None when no such Python exists on this machine.
 
     Safe to call from several processes at once (the test command builds the spatialdata
-    environment in the background while a suite runs): one builds under a lock file beside
+    environment in the background while a suite runs): one builds under a lock file inside
     ``venv``, the others wait for it. An environment counts as made once its packages are
     installed (a stamp inside it records them), so an interrupted build is finished by the
     next call rather than used half-made.
@@ -548,7 +548,11 @@ def side_python(venv: str | Path, packages: Iterable[str], explicit: str | None 
     python = venv / "bin" / "python"
     stamp = venv / ".side-python-packages"
     wanted = "\n".join(packages)
-    if stamp.exists() and stamp.read_text() == wanted:
+
+    def made() -> bool:
+        return stamp.exists() and stamp.read_text() == wanted
+
+    if made():
         return str(python)
     check = f"import sys; sys.exit(sys.version_info < {tuple(minimum)!r})"
 
@@ -558,10 +562,12 @@ def side_python(venv: str | Path, packages: Iterable[str], explicit: str | None 
             return False
         return subprocess.run([executable, "-c", check], capture_output=True).returncode == 0
 
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{venv}.lock", "w") as lock:
+    # The lock lives inside the environment's folder (made first; ``venv`` fills it later),
+    # so nothing is left beside it that version control would see.
+    venv.mkdir(parents=True, exist_ok=True)
+    with open(venv / ".side-python.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if stamp.exists() and stamp.read_text() == wanted:  # made while this call waited
+        if made():  # made while this call waited
             return str(python)
         if not runs(str(python)):
             candidates = [explicit] if explicit else [shutil.which("python3.12"),
