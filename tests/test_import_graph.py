@@ -210,3 +210,39 @@ def test_paths_before_the_layout_still_import():
     assert deltacells.backed.written_values_dtype is new_home.written_values_dtype
     assert deltacells.spatial.SpatialIndex is deltacells.spatial.grid.SpatialIndex
     assert deltacells.codec.exception_limit is deltacells.codec.tile.exception_limit
+
+
+def test_front_door_names_load_on_first_use(tmp_path):
+    """``import deltacells`` and a training process do not import anndata and the reading
+    stack (their memory is most of a loader's peak); every public name still resolves."""
+    import subprocess
+    import sys
+
+    import anndata as ad
+    import numpy as np
+    import scipy.sparse as sp
+
+    import deltacells
+
+    x = sp.random(300, 40, density=0.2, format="csr", random_state=0, dtype=np.float32)
+    x.data = np.ceil(x.data * 9)
+    deltacells.write_deltacells(ad.AnnData(x), tmp_path / "x.dc", progress=False)
+    script = (
+        "import sys, deltacells\n"
+        "heavy = ('anndata', 'dask', 'h5py', 'zarr')\n"
+        "assert not [m for m in heavy if m in sys.modules], sys.modules.keys()\n"
+        f"loader = deltacells.Loader({str(tmp_path / 'x.dc')!r}, batch_size=64)\n"
+        "assert sum(b.X.shape[0] for b in loader) == 300\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    for name in deltacells.__all__:
+        if name == "TorchIterableDataset":
+            continue  # needs the optional torch extra; test_loader covers it
+        assert getattr(deltacells, name) is not None
+        assert name in dir(deltacells)
+    assert deltacells.read_deltacells is deltacells.read.assemble.read_deltacells
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        deltacells.nope  # noqa: B018
