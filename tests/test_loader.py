@@ -281,6 +281,16 @@ def test_torch_dataloader_resumes_mid_epoch(pair):
             np.testing.assert_array_equal(a, b)
 
 
+def test_obs_given_as_one_name_or_none(pair):
+    url, adata = pair
+    one = next(iter(dc.Loader(url, batch_size=50, shuffle="none", obs="cell_type")))
+    assert list(one.obs) == ["cell_type"]
+    codes = adata.obs["cell_type"].cat.codes.to_numpy()[one.cells]
+    np.testing.assert_array_equal(one.obs["cell_type"], codes)
+    none = next(iter(dc.Loader(url, batch_size=50, shuffle="none", obs=None)))
+    assert none.obs == {}
+
+
 def test_errors(pair):
     url, _ = pair
     with pytest.raises(ValueError, match="shuffle"):

@@ -310,7 +310,8 @@ class Loader:
         This process's shard (default: ``RANK`` / ``WORLD_SIZE`` from the environment, else
         0 / 1). Every rank yields the same number of batches.
     obs
-        obs columns to put in each batch (category codes or numbers, from the local cache).
+        obs columns to put in each batch (category codes or numbers, from the local cache):
+        names, one name, or None (none, as the default).
     genes
         Gene subset: names, or a boolean mask / integer positions in ``var`` order. Columns
         come out in the order given (masks: ``var`` order).
@@ -364,7 +365,7 @@ class Loader:
         drop_last: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
-        obs: Sequence[str] = (),
+        obs: Sequence[str] | str | None = (),
         genes: Sequence[str] | np.ndarray | None = None,
         normalize: float | None = None,
         log1p: bool = False,
@@ -427,7 +428,8 @@ class Loader:
         self._col_map, self.var_names = self._columns(genes, column_order)
         drops = self._col_map is not None and bool(np.any(self._col_map < 0))
         self._drop_map = self._col_map if drops else None  # only a subset changes row lengths
-        self.obs_columns = list(obs)
+        # One column may be named alone; None asks for none.
+        self.obs_columns = [obs] if isinstance(obs, str) else list(obs or ())
         self._obs = self._load_obs(self.obs_columns, cache_dir)
         m = self.dataset.manifest
         self._limits = m.limits  # one past each tile's last cell
