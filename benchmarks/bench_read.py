@@ -132,7 +132,8 @@ def zstd_floor(path: Path, n_cells: int, repeats: int) -> dict:
     tiles = [dataset.tile(i) for i in range(dataset.manifest.n_tiles)]
     threads = effective_n_threads(None)
     limits = np.cumsum(dataset.manifest.tile_cells)
-    hit, groups, local = group_by_tile(random_cells(n_cells), limits)
+    random_rows = random_cells(n_cells)
+    hit, groups, local = group_by_tile(random_rows, limits)
     touched = [np.zeros((0, tiles[0].layout.chunks.shape[1]), dtype=np.int64)] * len(tiles)
     for i, mine in zip(hit, groups, strict=True):
         chunk_ids = np.unique(tiles[i].chunk_of(local[mine]))
@@ -167,7 +168,6 @@ def zstd_floor(path: Path, n_cells: int, repeats: int) -> dict:
     # The goals are ratios to zstd alone, and this machine's speed drifts by a third between
     # minutes: each ratio is also measured in alternating rounds (the read, then zstd alone on
     # the same frames), the median of the rounds' ratios.
-    random_rows = random_cells(n_cells)
     rounds = {"random_4096_reused": [], "to_memory": []}
     every_frame = [t.layout.chunks for t in tiles]
     matrix[random_rows]  # the tile cache filled, as for random_4096_reused_s

@@ -289,6 +289,10 @@ def test_obs_given_as_one_name_or_none(pair):
     np.testing.assert_array_equal(one.obs["cell_type"], codes)
     none = next(iter(dc.Loader(url, batch_size=50, shuffle="none", obs=None)))
     assert none.obs == {}
+    # Names as a pandas Index (adata.obs.columns) or a numpy array work as a list does.
+    for names in (adata.obs.columns[:1], np.array(["cell_type"])):
+        batch = next(iter(dc.Loader(url, batch_size=50, shuffle="none", obs=names)))
+        np.testing.assert_array_equal(batch.obs["cell_type"], codes)
 
 
 def test_errors(pair):

@@ -429,7 +429,8 @@ class Loader:
         drops = self._col_map is not None and bool(np.any(self._col_map < 0))
         self._drop_map = self._col_map if drops else None  # only a subset changes row lengths
         # One column may be named alone; None asks for none.
-        self.obs_columns = [obs] if isinstance(obs, str) else list(obs or ())
+        # (``obs or ()`` would refuse a pandas Index or numpy array of names: no truth value.)
+        self.obs_columns = [] if obs is None else [obs] if isinstance(obs, str) else list(obs)
         self._obs = self._load_obs(self.obs_columns, cache_dir)
         m = self.dataset.manifest
         self._limits = m.limits  # one past each tile's last cell
