@@ -28,6 +28,7 @@ from tilekit import (
 
 import deltacells as dc
 from deltacells import FormatError
+from deltacells.codec.tile import gather_tiles_into
 from deltacells.testing import check_rejects_or_decodes, fuzz_tiles
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -342,6 +343,20 @@ def test_zero_gap_deep_inside_a_long_cell_is_rejected(position):
     for decode in (lambda: tile.decode(np.int32), lambda: tile.gather([2])):
         with pytest.raises(FormatError, match="zero gap inside cell 2"):
             decode()
+
+
+def test_a_gather_over_several_tiles_names_the_damaged_one():
+    # One parallel section decodes the chunks of every touched tile: its error must still
+    # name the tile (and chunk) that failed, not the first tile of the read.
+    good = dc.Tile(_reference([[0, 5, 9], [2]], 10), name="tiles/tile_000000.dct")
+    bad = dc.Tile(_reference([[1], [3, 3]], 10), name="tiles/tile_000001.dct")
+    rows = np.array([0, 1, 1, 0], dtype=np.int64)  # cells within their tiles
+    groups = [np.array([0, 3]), np.array([1, 2])]
+    indptr = np.array([0, 3, 5, 7, 10], dtype=np.int64)  # output rows of 3, 2, 2, 3 genes
+    indices = np.empty(indptr[-1], dtype=np.int32)
+    values = np.empty(indptr[-1], dtype=np.float32)
+    with pytest.raises(FormatError, match=r"tile_000001\.dct: chunk 0: zero gap inside cell 1"):
+        gather_tiles_into([good, bad], groups, rows, indptr, indices, values, n_threads=2)
 
 
 def test_gene_index_past_n_genes_at_the_end_of_a_long_cell():

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import deltacells as dc
 from deltacells.codec import _decode, _rows
 from deltacells.codec._decode import ColumnMap
+from deltacells.codec.tile import gather_tiles_into
 
 GENE_COUNTS = [1, 2, 17, 300, 65535, 65536, 65537, 200_000]
 SPECIAL_COUNTS = np.array([1, 2, 255, 256, 65535, 65536, 65537, 2**24, 2**31 - 1])
@@ -176,6 +177,51 @@ def test_decode_through_a_column_permutation(row_sort, matrix, seed):
         with pytest.raises(ValueError, match="permutation"):
             tile.decode(col_map=other)
         assert not checked.array.flags.writeable  # cannot be changed after its check
+
+
+@PROFILE
+@given(matrix=count_matrices(), seed=st.integers(0, 2**32 - 1), n_tiles=st.integers(1, 3))
+def test_gathering_from_many_tiles_at_once_equals_each_tile_alone(matrix, seed, n_tiles):
+    # The random read's fast path (one parallel section over the chunks of every touched tile)
+    # against the plain one (each tile's gather in turn) and scipy: same rows, same order.
+    if np.count_nonzero(matrix.data > 65535) > max(1024, matrix.nnz // 200):
+        return
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.integers(0, matrix.shape[0] + 1, n_tiles - 1))
+    bounds = np.concatenate([[0], cuts, [matrix.shape[0]]]).astype(np.int64)
+    tiles = [dc.Tile(dc.encode_tile(matrix[lo:hi], n_chunks=2, level=1), name=f"tile {t}")
+             for t, (lo, hi) in enumerate(pairwise(bounds))]  # fmt: skip
+    if not matrix.shape[0]:
+        return
+    cells = rng.integers(0, matrix.shape[0], 25)  # repeats and any order
+    tile_of = np.searchsorted(bounds[1:], cells, side="right")
+    local = cells - bounds[tile_of]
+    groups = [np.flatnonzero(tile_of == t) for t in range(n_tiles)]
+    col_map = rng.permutation(matrix.shape[1])
+    moved = sp.csr_matrix((matrix.data, col_map[matrix.indices], matrix.indptr),
+                          shape=matrix.shape)  # fmt: skip
+    indptr = np.zeros(len(cells) + 1, dtype=np.int64)
+    np.cumsum(np.diff(matrix.indptr)[cells], out=indptr[1:])
+    for dtype, n_threads, mapping, expected in (
+        (np.int32, 1, None, matrix),
+        (np.float32, 2, col_map, moved),
+        (np.float64, 3, col_map, moved),
+    ):
+        outputs = []
+        for together in (True, False):
+            indices = np.full(indptr[-1], -1, dtype=np.int32)
+            values = np.zeros(indptr[-1], dtype=dtype)
+            if together:
+                gather_tiles_into(tiles, groups, local, indptr, indices, values,
+                                  n_threads=n_threads, col_map=mapping)  # fmt: skip
+            else:
+                for tile, mine in zip(tiles, groups, strict=True):
+                    tile.gather_into(local, indptr, indices, values, positions=mine,
+                                     n_threads=n_threads, col_map=mapping)  # fmt: skip
+            outputs.append(sp.csr_matrix((values, indices, indptr),
+                                         shape=(len(cells), matrix.shape[1])))  # fmt: skip
+        assert_equal_csr(outputs[0], expected[cells].astype(dtype))
+        assert_equal_csr(outputs[1], expected[cells].astype(dtype))
 
 
 @PROFILE

@@ -28,21 +28,23 @@ def decode_into(
     col_map: NDArray[np.integer] | ColumnMap | None = None,
 ) -> None: ...
 def gather_into(
-    blob: NDArray[np.uint8] | bytes,
-    chunks: NDArray[np.int64],
-    indptr: NDArray[np.int64],
-    exc: NDArray[np.int64],
+    blobs: list[NDArray[np.uint8] | bytes],
+    chunk_tables: list[NDArray[np.int64]],
+    indptrs: list[NDArray[np.int64]],
+    excs: list[NDArray[np.int64]],
     n_genes: int,
     rows: NDArray[np.int64],
     order: NDArray[np.int64],
+    group_tiles: NDArray[np.int64],
     group_chunks: NDArray[np.int64],
     group_starts: NDArray[np.int64],
     out_indptr: NDArray[np.int64],
     indices: NDArray[np.int32],
     values: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
     n_threads: int,
-    where: object,
+    names: list[str],
     col_map: NDArray[np.integer] | ColumnMap | None = None,
+    longest_row: int = -1,
 ) -> None: ...
 def decompress_only(
     blob: NDArray[np.uint8] | bytes, chunks: NDArray[np.int64], n_threads: int

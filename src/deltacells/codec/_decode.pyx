@@ -500,6 +500,46 @@ cdef int _decode_chunk(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entr
     return OK
 
 
+cdef struct TileRef:
+    # One tile's parsed structure as the parallel region reads it (addresses of arrays the
+    # caller keeps alive): its bytes, chunk table (CHUNK_COLS int64 per chunk), exception
+    # counts (2 int64 per chunk, from check_frames) and indptr.
+    const uint8_t* blob
+    const int64_t* chunks
+    const int64_t* exc
+    const int64_t* indptr
+
+
+cdef enum:
+    CHUNK_COLS = 12
+
+
+cdef object _tile_refs(list blobs, list chunk_tables, list indptrs, list excs):
+    """A ``(n_tiles, 4)`` uintp array laid out as ``TileRef``s, and each tile's chunk count,
+    after checking the tables' shapes (the arrays must outlive the kernel call)."""
+    cdef Py_ssize_t t, n_tiles = len(blobs)
+    cdef const uint8_t[::1] blob
+    cdef const int64_t[:, ::1] chunks
+    cdef const int64_t[:, ::1] exc
+    cdef const int64_t[::1] indptr
+    if not (len(chunk_tables) == len(indptrs) == len(excs) == n_tiles):
+        raise ValueError("blobs, chunk tables, indptrs and exception counts differ in number")
+    refs = np.zeros((n_tiles, 4), dtype=np.uintp)
+    n_chunks = np.zeros(n_tiles, dtype=np.int64)
+    cdef size_t[:, ::1] refs_v = refs
+    for t in range(n_tiles):
+        blob, chunks, exc, indptr = blobs[t], chunk_tables[t], excs[t], indptrs[t]
+        if (chunks.shape[1] != CHUNK_COLS or exc.shape[0] != chunks.shape[0]
+                or exc.shape[1] != 2 or indptr.shape[0] == 0 or blob.shape[0] == 0):
+            raise ValueError(f"tile {t}: chunk table, exception counts or indptr malformed")
+        refs_v[t, 0] = <size_t>&blob[0]
+        refs_v[t, 1] = <size_t>&chunks[0, 0] if chunks.shape[0] else 0
+        refs_v[t, 2] = <size_t>&exc[0, 0] if exc.shape[0] else 0
+        refs_v[t, 3] = <size_t>&indptr[0]
+        n_chunks[t] = chunks.shape[0]
+    return refs, n_chunks
+
+
 cdef int64_t _max_scratch(const int64_t[:, ::1] chunks, const int64_t[:, ::1] exc, object ids):
     cdef int64_t best = 8, size
     for c in ids:
@@ -509,8 +549,7 @@ cdef int64_t _max_scratch(const int64_t[:, ::1] chunks, const int64_t[:, ::1] ex
     return best
 
 
-cdef void _decode_jobs(const uint8_t* blob, const int64_t[:, ::1] chunks,
-                       const int64_t[:, ::1] exc, int64_t n_genes, const int64_t* indptr,
+cdef void _decode_jobs(const TileRef* tiles, const int64_t* job_tiles, int64_t n_genes,
                        const int64_t* rows, const int64_t* order, const int64_t* job_chunks,
                        const int64_t* job_starts, Py_ssize_t n_jobs, bint split_streams,
                        const int64_t* out_indptr, int32_t* idx_out, value_t* val_out,
@@ -519,17 +558,23 @@ cdef void _decode_jobs(const uint8_t* blob, const int64_t[:, ::1] chunks,
                        int32_t* status, int64_t* detail) noexcept nogil:
     """Run ``_decode_chunk`` for every job in parallel (a job is a chunk or one of its streams).
 
-    Without ``rows`` job ``g`` is chunk ``g``; with them it is chunk ``job_chunks[g]`` and its
-    rows ``order[job_starts[g]:job_starts[g + 1]]``. With ``split_streams`` (whole chunks, no
-    ``col_map``) job ``g`` is one stream of chunk ``g // 2``: its gene indices when ``g`` is even,
-    its values when odd: twice as many, smaller jobs leave less idle time at the end. With
-    ``col_map`` (a permutation of the ``n_genes`` columns) each job's output rows are then
-    renumbered and sorted in place by the same thread while they are still in cache (so they
-    are written with regular stores), with sort scratch of ``capacity`` entries.
+    Job ``g`` reads tile ``job_tiles[g]`` (``tiles[0]`` without ``job_tiles``): one parallel
+    section for the chunks of many tiles, so that threads do not wait at the end of each
+    tile. Without ``rows`` job ``g`` is chunk ``g``; with them it is chunk ``job_chunks[g]``
+    and its rows ``order[job_starts[g]:job_starts[g + 1]]`` (positions within that tile). With
+    ``split_streams`` (whole chunks, no ``col_map``) job ``g`` is one stream of chunk
+    ``g // 2``: its gene indices when ``g`` is even, its values when odd: twice as many,
+    smaller jobs leave less idle time at the end. With ``col_map`` (a permutation of the
+    ``n_genes`` columns) each job's output rows are then renumbered and sorted in place by the
+    same thread while they are still in cache (so they are written with regular stores), with
+    sort scratch of ``capacity`` entries.
     """
     cdef Py_ssize_t g
     cdef int64_t c, k, o, length, kept
     cdef int st
+    cdef const TileRef* tile = NULL
+    cdef const int64_t* entry = NULL
+    cdef const int64_t* indptr = NULL
     cdef ZSTD_DCtx* dctx = NULL  # set per thread; initialized so the firstprivate copy is defined
     cdef uint8_t* scratch = NULL
     cdef Chunk* chunk = NULL
@@ -545,17 +590,20 @@ cdef void _decode_jobs(const uint8_t* blob, const int64_t[:, ::1] chunks,
                     or (col_map != NULL and not sorting.ready)):
                 status[g] = E_NOMEM
                 continue
+            tile = tiles + (0 if job_tiles == NULL else job_tiles[g])
+            indptr = tile.indptr
             c = (g >> 1 if split_streams else g) if rows == NULL else job_chunks[g]
+            entry = tile.chunks + c * CHUNK_COLS
             chunk.stream = col_map == NULL
             st = _decode_chunk(
-                dctx, blob, &chunks[c, 0], exc[c, 0], exc[c, 1], n_genes, indptr, rows, order,
-                0 if rows == NULL else job_starts[g], 0 if rows == NULL else job_starts[g + 1],
-                out_indptr, idx_out, val_out, scratch, chunk,
-                1 << (g & 1) if split_streams else 3, &detail[g])
+                dctx, tile.blob, entry, tile.exc[2 * c], tile.exc[2 * c + 1], n_genes, indptr,
+                rows, order, 0 if rows == NULL else job_starts[g],
+                0 if rows == NULL else job_starts[g + 1], out_indptr, idx_out, val_out,
+                scratch, chunk, 1 << (g & 1) if split_streams else 3, &detail[g])
             if st == OK and col_map != NULL:
                 # Whole chunk: its cells in place; selected rows: the output rows of this job.
-                for k in range(chunks[c, CELL_LO] if rows == NULL else job_starts[g],
-                               chunks[c, CELL_HI] if rows == NULL else job_starts[g + 1]):
+                for k in range(entry[CELL_LO] if rows == NULL else job_starts[g],
+                               entry[CELL_HI] if rows == NULL else job_starts[g + 1]):
                     o = indptr[k] if rows == NULL else out_indptr[order[k]]
                     length = (indptr[k + 1] if rows == NULL else out_indptr[order[k] + 1]) - o
                     kept = 0  # assigned here so that Cython makes it thread-private
@@ -592,12 +640,13 @@ cdef class ColumnMap:
         self.n_genes = n_genes
 
 
-def _permutation_scratch(object col_map, int64_t n_genes, const int64_t[::1] indptr):
+def _permutation_scratch(object col_map, int64_t n_genes, object indptr):
     """``col_map`` checked to be a permutation of ``n_genes`` columns, as int32, and the sort
-    scratch a cell needs (its longest row, at most ``n_genes``)."""
+    scratch a cell needs (its longest row, at most ``n_genes``; 0 without ``indptr``)."""
     if not isinstance(col_map, ColumnMap) or (<ColumnMap>col_map).n_genes != n_genes:
         col_map = ColumnMap(col_map, n_genes)
-    return (<ColumnMap>col_map).array, min(n_genes, int(np.diff(np.asarray(indptr)).max()))
+    longest = 0 if indptr is None else min(n_genes, int(np.diff(np.asarray(indptr)).max()))
+    return (<ColumnMap>col_map).array, longest
 
 
 def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
@@ -620,9 +669,11 @@ def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
                          f"the tile has {nnz} nonzeros")
     if n_chunks == 0:
         return
+    refs, _ = _tile_refs([blob], [chunks], [indptr], [exc])
     if col_map is not None:
         map_v, capacity = _permutation_scratch(col_map, n_genes, indptr)
         map_p = &map_v[0]
+    cdef const size_t[:, ::1] refs_v = refs
     cdef bint split_streams = col_map is None
     cdef Py_ssize_t n_jobs = 2 * n_chunks if split_streams else n_chunks
     status = np.zeros(n_jobs, dtype=np.int32)
@@ -638,7 +689,7 @@ def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
     cdef const size_t[::1] scratches_v = scratches
     try:
         with nogil:
-            _decode_jobs(&blob[0], chunks, exc, n_genes, &indptr[0], NULL, NULL, NULL, NULL,
+            _decode_jobs(<const TileRef*>&refs_v[0, 0], NULL, n_genes, NULL, NULL, NULL, NULL,
                          n_jobs, split_streams, NULL, idx_out, val_out, &scratches_v[0],
                          n_threads, &contexts_v[0], map_p, capacity, &status_v[0],
                          &detail_v[0])
@@ -648,44 +699,72 @@ def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
     raise_status(status, detail, where, np.arange(n_jobs) >> 1 if split_streams else None)
 
 
-def gather_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
-                const int64_t[::1] indptr, const int64_t[:, ::1] exc, int64_t n_genes,
+def gather_into(list blobs, list chunk_tables, list indptrs, list excs, int64_t n_genes,
                 const int64_t[::1] rows, const int64_t[::1] order,
-                const int64_t[::1] group_chunks, const int64_t[::1] group_starts,
-                const int64_t[::1] out_indptr, int32_t[::1] indices, value_t[::1] values,
-                int n_threads, object where, object col_map=None):
-    """Decode the cells ``rows`` (any order, repeats allowed) into one CSR.
+                const int64_t[::1] group_tiles, const int64_t[::1] group_chunks,
+                const int64_t[::1] group_starts, const int64_t[::1] out_indptr,
+                int32_t[::1] indices, value_t[::1] values, int n_threads, list names,
+                object col_map=None, int64_t longest_row=-1):
+    """Decode the cells ``rows`` (any order, repeats allowed) of one or more tiles into one
+    CSR, in one parallel section.
 
-    Only the chunks listed in ``group_chunks`` are decompressed, and only the output rows
-    ``order`` lists are written (all or some positions of ``rows``, grouped by chunk): group
-    ``g`` is ``order[group_starts[g]:group_starts[g + 1]]``, all in chunk ``group_chunks[g]``.
-    Output row ``j`` goes to ``out_indptr[j]:out_indptr[j + 1]``. With ``col_map`` (a
-    permutation of the columns) every written row is renumbered and sorted again.
+    Tile ``t`` is ``blobs[t]``, its chunk table, indptr and exception counts
+    (:func:`check_frames`) at ``t`` in the other lists, named ``names[t]`` in errors. Only
+    the chunks listed are decompressed, and only the output rows ``order`` lists are written
+    (all or some positions of ``rows``, grouped by chunk): group ``g`` is
+    ``order[group_starts[g]:group_starts[g + 1]]``, all in chunk ``group_chunks[g]`` of tile
+    ``group_tiles[g]``, and ``rows`` holds positions within their tiles. Output row ``j`` goes
+    to ``out_indptr[j]:out_indptr[j + 1]``. With ``col_map`` (a permutation of the columns)
+    every written row is renumbered and sorted again; ``longest_row`` (the most nonzeros of a
+    cell in these tiles, when the caller knows it) sizes the sort scratch.
     """
     cdef Py_ssize_t n_groups = group_chunks.shape[0]
     cdef int64_t n_out = out_indptr[out_indptr.shape[0] - 1]
     cdef const int32_t* map_p = NULL
     cdef const int32_t[::1] map_v
-    cdef int64_t capacity = 0
+    cdef int64_t capacity = 0, scratch_size = 8
+    cdef Py_ssize_t k, g
+    cdef int64_t t
     if indices.shape[0] < n_out or values.shape[0] < n_out:
         raise ValueError("output buffers are shorter than the gathered nonzeros")
-    cdef Py_ssize_t k
-    if (group_starts.shape[0] != n_groups + 1 or order.shape[0] > rows.shape[0]
-            or out_indptr.shape[0] != rows.shape[0] + 1):
-        raise ValueError("group_starts / order / out_indptr do not match group_chunks / rows")
+    if (group_starts.shape[0] != n_groups + 1 or group_tiles.shape[0] != n_groups
+            or order.shape[0] > rows.shape[0] or out_indptr.shape[0] != rows.shape[0] + 1
+            or len(names) != len(blobs)):
+        raise ValueError("group_tiles / group_starts / order / out_indptr / names do not match "
+                         "group_chunks / rows / blobs")
     for k in range(order.shape[0]):
         if order[k] < 0 or order[k] >= rows.shape[0]:
             raise ValueError(f"order[{k}] = {order[k]} is not a position in rows")
     if n_groups == 0:
         return
+    refs, n_chunks = _tile_refs(blobs, chunk_tables, indptrs, excs)
+    cdef const int64_t[::1] n_chunks_v = n_chunks
+    cdef const size_t[:, ::1] refs_v = refs
+    cdef const TileRef* tile
+    cdef const int64_t* entry
+    for g in range(n_groups):
+        t = group_tiles[g]
+        if t < 0 or t >= n_chunks_v.shape[0] or not 0 <= group_chunks[g] < n_chunks_v[t]:
+            raise ValueError(f"group {g}: chunk {group_chunks[g]} of tile {t} does not exist")
+        if group_starts[g] > group_starts[g + 1] or group_starts[g] < 0:
+            raise ValueError("group_starts must increase")
+        tile = <const TileRef*>&refs_v[t, 0]
+        entry = tile.chunks + group_chunks[g] * CHUNK_COLS
+        scratch_size = max(scratch_size, _scratch_bytes(
+            entry[NNZ_HI] - entry[NNZ_LO], tile.exc[2 * group_chunks[g]],
+            tile.exc[2 * group_chunks[g] + 1]))
+    if group_starts[n_groups] > order.shape[0]:
+        raise ValueError("group_starts run past order")
     if col_map is not None:
-        map_v, capacity = _permutation_scratch(col_map, n_genes, indptr)
+        if longest_row < 0:
+            longest_row = max(int(np.diff(np.asarray(ip)).max()) for ip in indptrs)
+        map_v, _ = _permutation_scratch(col_map, n_genes, None)
+        capacity = min(n_genes, longest_row)
         map_p = &map_v[0]
     status = np.zeros(n_groups, dtype=np.int32)
     detail = np.zeros(n_groups, dtype=np.int64)
     cdef int32_t[::1] status_v = status
     cdef int64_t[::1] detail_v = detail
-    cdef int64_t scratch_size = _max_scratch(chunks, exc, group_chunks)
     cdef int32_t* idx_out = &indices[0] if indices.shape[0] else NULL
     cdef value_t* val_out = &values[0] if values.shape[0] else NULL
     contexts = _take_dctx(n_threads)
@@ -694,14 +773,19 @@ def gather_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
     cdef const size_t[::1] scratches_v = scratches
     try:
         with nogil:
-            _decode_jobs(&blob[0], chunks, exc, n_genes, &indptr[0], &rows[0], &order[0],
-                         &group_chunks[0], &group_starts[0], n_groups, False, &out_indptr[0],
-                         idx_out, val_out, &scratches_v[0], n_threads, &contexts_v[0], map_p,
-                         capacity, &status_v[0], &detail_v[0])
+            _decode_jobs(<const TileRef*>&refs_v[0, 0], &group_tiles[0], n_genes, &rows[0],
+                         &order[0], &group_chunks[0], &group_starts[0], n_groups, False,
+                         &out_indptr[0], idx_out, val_out, &scratches_v[0], n_threads,
+                         &contexts_v[0], map_p, capacity, &status_v[0], &detail_v[0])
     finally:
         _give_back_dctx(contexts)
         _give_back_scratch(scratches)
-    raise_status(status, detail, where, np.asarray(group_chunks))
+    failed = np.flatnonzero(status)
+    if len(failed):
+        first = int(failed[0])
+        t = group_tiles[first]
+        mine = np.flatnonzero(np.asarray(group_tiles) == t)
+        raise_status(status[mine], detail[mine], names[t], np.asarray(group_chunks)[mine])
 
 
 def decompress_only(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, int n_threads):

@@ -46,6 +46,7 @@ __all__ = [
     "empty_output",
     "encode_tile",
     "exception_limit",
+    "gather_tiles_into",
 ]
 
 #: Default zstd level, chosen from the level table of ``benchmarks/bench_codec.py``: the smallest
@@ -373,6 +374,7 @@ class Tile:
         self._exceptions = _decode.check_frames(
             buf, self.layout.chunks, name, effective_n_threads(n_threads)
         )
+        self._longest_row: int | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -405,6 +407,14 @@ class Tile:
         view = self.layout.indptr.view()
         view.flags.writeable = False
         return view
+
+    @property
+    def longest_row(self) -> int:
+        """Most nonzeros of one cell (0 for a tile without cells)."""
+        if self._longest_row is None:
+            lengths = np.diff(self.layout.indptr)
+            self._longest_row = int(lengths.max()) if len(lengths) else 0
+        return self._longest_row
 
     @property
     def exception_counts(self) -> np.ndarray:
@@ -533,28 +543,8 @@ class Tile:
             written row right after its chunk is decoded.
         """
         chosen = np.arange(len(rows), dtype=np.int64) if positions is None else positions
-        chunk_of_row = self.chunk_of(rows[chosen])
-        by_chunk = np.argsort(chunk_of_row, kind="stable")
-        group_chunks, group_starts = np.unique(chunk_of_row[by_chunk], return_index=True)
-        _decode.gather_into(
-            self._buf,
-            self.layout.chunks,
-            self.layout.indptr,
-            self._exceptions,
-            self.layout.n_genes,
-            rows,
-            np.ascontiguousarray(chosen[by_chunk], dtype=np.int64),
-            group_chunks.astype(np.int64),
-            np.append(group_starts, len(chosen)).astype(np.int64),
-            out_indptr,
-            indices,
-            values,
-            # No more threads than chunks to decode: a team of threads started for one chunk
-            # only waits (and, on a busy machine, waits long).
-            min(effective_n_threads(n_threads), max(len(group_chunks), 1)),
-            self.name,
-            col_map,
-        )
+        gather_tiles_into([self], [chosen], rows, out_indptr, indices, values,
+                          n_threads=n_threads, col_map=col_map)  # fmt: skip
 
     def gather(
         self,
@@ -603,6 +593,84 @@ class Tile:
     def chunk_nnz(self) -> np.ndarray:
         """Nonzeros per chunk."""
         return self.layout.chunks[:, NNZ_HI] - self.layout.chunks[:, NNZ_LO]
+
+
+def gather_tiles_into(
+    tiles: Sequence[Tile],
+    groups: Sequence[np.ndarray],
+    rows: np.ndarray,
+    out_indptr: np.ndarray,
+    indices: np.ndarray,
+    values: np.ndarray,
+    *,
+    n_threads: int | None = None,
+    col_map: np.ndarray | None = None,
+) -> None:
+    """Decode cells of several tiles into the rows of one CSR, in one parallel section.
+
+    Parameters
+    ----------
+    tiles
+        The tiles, all with the same number of genes.
+    groups
+        For each tile, the output rows (positions in ``rows``) it writes; together they may
+        cover all output rows or some.
+    rows
+        int64 cell position within its tile of every output row (validated by the caller,
+        non-negative).
+    out_indptr
+        int64 ``indptr`` of the output, ``len(rows) + 1`` entries; output row ``j`` must have
+        room for exactly that cell's nonzeros.
+    indices, values
+        The output's ``int32`` indices and values buffers.
+    n_threads
+        Decoding threads; ``None`` resolves like scikit-learn. Output does not depend on it.
+    col_map
+        Optional permutation of the columns (see :meth:`Tile.decode_into`), applied to each
+        written row right after its chunk is decoded.
+
+    Notes
+    -----
+    Threads take the touched chunks of all tiles from one queue, so none waits at the end of
+    a tile for the other's last chunk (one parallel section per tile did).
+    """
+    if not tiles:
+        return
+    n_genes = tiles[0].layout.n_genes
+    if any(t.layout.n_genes != n_genes for t in tiles):
+        raise ValueError("tiles of different gene counts cannot fill one matrix")
+    # Every touched chunk of every tile, then the output rows grouped by (tile, chunk).
+    chosen = [np.asarray(g, dtype=np.int64) for g in groups]
+    which_tile = np.repeat(np.arange(len(tiles), dtype=np.int64), [len(g) for g in chosen])
+    positions = np.concatenate(chosen) if len(chosen) > 1 else chosen[0]
+    chunk_ids = np.concatenate(
+        [t.chunk_of(rows[g]) for t, g in zip(tiles, chosen, strict=True)]
+    ) if len(chosen) > 1 else tiles[0].chunk_of(rows[positions])  # fmt: skip
+    most_chunks = max(t.n_chunks for t in tiles) + 1
+    key = which_tile * most_chunks + chunk_ids
+    by_chunk = np.argsort(key, kind="stable")
+    keys, group_starts = np.unique(key[by_chunk], return_index=True)
+    _decode.gather_into(
+        [t._buf for t in tiles],
+        [t.layout.chunks for t in tiles],
+        [t.layout.indptr for t in tiles],
+        [t._exceptions for t in tiles],
+        n_genes,
+        rows,
+        np.ascontiguousarray(positions[by_chunk]),
+        keys // most_chunks,
+        keys % most_chunks,
+        np.append(group_starts, len(positions)).astype(np.int64),
+        out_indptr,
+        indices,
+        values,
+        # No more threads than chunks to decode: a team of threads started for one chunk
+        # only waits (and, on a busy machine, waits long).
+        min(effective_n_threads(n_threads), max(len(keys), 1)),
+        [t.name for t in tiles],
+        col_map,
+        max(t.longest_row for t in tiles) if col_map is not None else -1,
+    )
 
 
 def _check_buffer(name: str, array: np.ndarray, dtype: np.dtype, length: int) -> None:

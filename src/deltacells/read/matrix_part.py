@@ -10,7 +10,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from deltacells.codec.format import HEADER_SIZE, MAGIC, FormatError
-from deltacells.codec.tile import Tile, empty_output
+from deltacells.codec.tile import Tile, empty_output, gather_tiles_into
 from deltacells.read.stored import DatasetPart
 from deltacells.store.integrity import check_checksum_row
 from deltacells.store.manifest import MANIFEST_NAME, tile_name
@@ -165,9 +165,8 @@ def gather_cells(
     np.cumsum(lengths, out=indptr[1:])
     indices = empty_output(int(indptr[-1]), np.int32)
     values = empty_output(int(indptr[-1]), values_dtype)
-    for tile, mine in zip(tiles, groups, strict=True):
-        tile.gather_into(local, indptr, indices, values, positions=mine, n_threads=n_threads,
-                         col_map=col_map)  # fmt: skip
+    gather_tiles_into(tiles, groups, local, indptr, indices, values, n_threads=n_threads,
+                      col_map=col_map)  # fmt: skip
     matrix = sp.csr_matrix((values, indices, indptr), shape=(len(local), n_genes), copy=False)
     matrix.has_canonical_format = True
     return matrix
