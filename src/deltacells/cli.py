@@ -13,8 +13,7 @@ from deltacells.codec.format import FormatError
 from deltacells.codec.tile import DEFAULT_LEVEL, DEFAULT_N_CHUNKS
 from deltacells.read.dataset import open_dataset
 from deltacells.spatial.genemajor import DEFAULT_BLOCK_CELLS, DEFAULT_CHUNK_GENES
-from deltacells.write.plan import JOINS
-from deltacells.write.writer import DEFAULT_TILE_SIZE, write_deltacells
+from deltacells.write.defaults import DEFAULT_TILE_SIZE, JOINS
 
 __all__ = ["main"]
 
@@ -119,6 +118,9 @@ def _write(args: argparse.Namespace, sources):
 
 
 def _write_with(args: argparse.Namespace, sources, client):
+    # Imported here: the writer imports anndata, which `info` and `verify` do not need.
+    from deltacells.write.writer import write_deltacells
+
     return write_deltacells(
         sources,
         args.dst,

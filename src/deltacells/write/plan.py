@@ -19,15 +19,12 @@ from deltacells.codec.tile import (
     canonical_csr,
     exception_limit,
 )
+from deltacells.write.defaults import JOINS
 from deltacells.write.inputs import (
     _open_part,
     _Part,
 )
 from deltacells.write.obs import InputSummary, ObsInputs, summarize
-
-#: How several inputs' genes are joined (see ``write_deltacells(join=)``).
-JOINS = ("same", "inner", "outer")
-
 
 # ---------------------------------------------------------------------------------------------
 # Genes

@@ -44,6 +44,7 @@ from deltacells.store.manifest import (
     StoredParts,
 )
 from deltacells.store.storage import Store, open_store
+from deltacells.write.defaults import DEFAULT_TILE_SIZE
 from deltacells.write.inputs import (
     _open_group,
     _open_part,
@@ -69,9 +70,6 @@ from deltacells.write.tiles import (
 
 __all__ = ["DEFAULT_TILE_SIZE", "OBS_INDEX_COLUMN", "write_deltacells"]
 
-#: Cells per tile by default. That is about 3 MB per tile on typical 10x data, a good object
-#: size for one GET, and small enough that shuffling buffers of several tiles stay modest.
-DEFAULT_TILE_SIZE = 4096
 CELL_ORDER_NAME = CELL_ORDER_FILE
 #: Cells per chunk by default when writing in spatial order.
 SPATIAL_CELLS_PER_CHUNK = 64
