@@ -101,6 +101,22 @@ class ByteCounter:
                 return data
 
             setattr(Store, name, counting)
+        # Several ranged reads of one object go through a reader made once (a local file
+        # opened once): count what those readers return as well.
+        original_reader = Store.range_reader
+        self._saved["range_reader"] = original_reader
+
+        def counting_reader(store, *args, **kwargs):
+            read = original_reader(store, *args, **kwargs)
+
+            def counted(start, stop):
+                data = read(start, stop)
+                self.bytes += len(data)
+                return data
+
+            return counted
+
+        Store.range_reader = counting_reader
         return self
 
     def __exit__(self, *exc) -> None:

@@ -209,6 +209,35 @@ def test_ranged_reads_equal_whole_tile_reads(tmp_path, monkeypatch):
     assert len(calls) <= 4  # header + chunk table, indptr, merged frames
 
 
+def test_ranged_reads_keep_clustered_rows_ranged_and_read_scattered_ones_whole(
+    tmp_path, monkeypatch
+):
+    """Whole tiles are fetched only where the rows touch most chunks: many rows in a few
+    chunks (a box query in spatial order) stay ranged, as many rows spread over every chunk
+    are read whole (one request for about the same bytes)."""
+    from deltacells.store.storage import Store
+
+    adata = small_adata(n_cells=2000, n_genes=150, seed=3)
+    root = tmp_path / "d"
+    dc.write_deltacells(adata, root, tile_size=1000, n_chunks=50, progress=False)
+    ranged = dc.read_deltacells(root, elements=False, ranged_reads=True)
+    whole_reads = []
+    original = Store.read_buffer
+
+    def counting(self, name, *args, **kwargs):
+        if name.startswith("tiles/tile_"):
+            whole_reads.append(name)
+        return original(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "read_buffer", counting)
+    clustered = np.arange(1100, 1400)  # 300 rows, 15 of the tile's 50 chunks
+    assert (ranged.X[clustered] != adata.X[clustered]).nnz == 0
+    assert whole_reads == []
+    scattered = np.random.default_rng(1).choice(np.arange(1000, 2000), 300, replace=False)
+    assert (ranged.X[scattered] != adata.X[scattered]).nnz == 0
+    assert whole_reads == ["tiles/tile_000001.dct"]
+
+
 def test_tiles_loaded_side_by_side_equal_those_loaded_in_turn(tmp_path):
     # Several local tiles are read and checked by a thread each; a damaged one still raises
     # FormatError naming its file, and the rows equal a one-thread read's.

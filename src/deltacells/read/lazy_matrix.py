@@ -348,11 +348,19 @@ class DeltacellsCSRDataset(CSRDataset):
         ordered = rows[order]
         tile_of = np.searchsorted(self._limits, ordered, side="right")
         # Tiles where the rows likely touch most chunks are read whole: one request instead
-        # of a chain of three (header, indptr, frames) for about the same bytes.
-        tiles, rows_per_tile = np.unique(tile_of, return_counts=True)
-        chunks = max(m.n_chunks, 1)
-        likely_touched = 1.0 - (1.0 - 1.0 / chunks) ** rows_per_tile
-        whole = np.isin(tile_of, tiles[likely_touched > 0.5])
+        # of a chain of three (header, indptr, frames) for about the same bytes. Which chunks
+        # the rows touch is estimated from their positions (chunks hold about equal shares of
+        # a tile's cells), so rows clustered in a few chunks, as a box query's are in spatial
+        # order, stay ranged however many they are.
+        tile_cells = np.asarray(m.tile_cells, dtype=np.int64)[tile_of]
+        chunks = np.minimum(max(m.n_chunks, 1), np.maximum(tile_cells, 1))
+        near_chunk = (ordered - self._starts[tile_of]) * chunks // np.maximum(tile_cells, 1)
+        touched = np.unique(tile_of * (max(m.n_chunks, 1) + 1) + near_chunk)
+        touched_per_tile = np.bincount(touched // (max(m.n_chunks, 1) + 1),
+                                       minlength=len(self._limits))  # fmt: skip
+        chunks_per_tile = np.minimum(max(m.n_chunks, 1),
+                                     np.maximum(np.asarray(m.tile_cells, dtype=np.int64), 1))
+        whole = (touched_per_tile > 0.5 * chunks_per_tile)[tile_of]
         if whole.all():
             return self._get_rows_whole(rows)
 
