@@ -642,10 +642,8 @@ def gather_tiles_into(
     # Every touched chunk of every tile, then the output rows grouped by (tile, chunk).
     chosen = [np.asarray(g, dtype=np.int64) for g in groups]
     which_tile = np.repeat(np.arange(len(tiles), dtype=np.int64), [len(g) for g in chosen])
-    positions = np.concatenate(chosen) if len(chosen) > 1 else chosen[0]
-    chunk_ids = np.concatenate(
-        [t.chunk_of(rows[g]) for t, g in zip(tiles, chosen, strict=True)]
-    ) if len(chosen) > 1 else tiles[0].chunk_of(rows[positions])  # fmt: skip
+    positions = np.concatenate(chosen)
+    chunk_ids = np.concatenate([t.chunk_of(rows[g]) for t, g in zip(tiles, chosen, strict=True)])
     most_chunks = max(t.n_chunks for t in tiles) + 1
     key = which_tile * most_chunks + chunk_ids
     by_chunk = np.argsort(key, kind="stable")
