@@ -326,20 +326,34 @@ def plot(results: dict, path: Path) -> None:
     local = {k: v for k, v in results["local"].items() if k not in ("ratios", "bytes")}
     keys = [
         "random_4096_unsorted_s",
+        "random_4096_reused_s",
         "random_4096_sorted_s",
         "slice_10000_s",
         "to_memory_s",
         "obs_column_s",
     ]
+    # zstd alone on the frames each deltacells read decompresses (zstd_floor): the limit,
+    # drawn as a black line across that layout's bar.
+    limit_of = {"random_4096_reused_s": "random_4096_s", "to_memory_s": "to_memory_s"}
+    floor = results.get("zstd_floor") or {}
     fig, (ax,) = page_figure(1, panel_height=4.2)
     width = 0.8 / len(local)
+    limit_label = "zstd alone on the same frames (the limit)"
     for i, (tool, row) in enumerate(local.items()):
-        ax.bar(np.arange(len(keys)) + i * width, [row[k] for k in keys], width, label=tool)
+        x = np.arange(len(keys)) + i * width
+        ax.bar(x, [row[k] for k in keys], width, label=tool)
+        for j, key in enumerate(keys):
+            limit = (floor.get(tool) or {}).get(limit_of.get(key, ""))
+            if limit:
+                ax.hlines(limit, x[j] - width / 2, x[j] + width / 2, colors="black",
+                          linewidth=2.5, label=limit_label)  # fmt: skip
+                limit_label = None  # one legend entry
     ax.set_xticks(np.arange(len(keys)) + 0.4 - width / 2,
                   [k.removesuffix("_s").replace("_", "\n", 1) for k in keys])  # fmt: skip
     ax.set_yscale("log")
+    ax.set_ylim(top=ax.get_ylim()[1] * 12)  # room for the legend above the bars
     ax.set_ylabel("seconds (median, lower is better)")
-    ax.legend(fontsize=8, ncols=2)
+    ax.legend(fontsize=8, ncols=3, loc="upper center")
     save_figure(fig, path, f"Reads from {results['n_cells']:,} cells, local disk", results)
 
 
