@@ -44,7 +44,6 @@ def gather_into(
     n_threads: int,
     names: list[str],
     col_map: NDArray[np.integer] | ColumnMap | None = None,
-    longest_row: int = -1,
 ) -> None: ...
 def decompress_only(
     blob: NDArray[np.uint8] | bytes, chunks: NDArray[np.int64], n_threads: int

@@ -640,13 +640,12 @@ cdef class ColumnMap:
         self.n_genes = n_genes
 
 
-def _permutation_scratch(object col_map, int64_t n_genes, object indptr):
+def _permutation_scratch(object col_map, int64_t n_genes, const int64_t[::1] indptr):
     """``col_map`` checked to be a permutation of ``n_genes`` columns, as int32, and the sort
-    scratch a cell needs (its longest row, at most ``n_genes``; 0 without ``indptr``)."""
+    scratch a cell needs (its longest row, at most ``n_genes``)."""
     if not isinstance(col_map, ColumnMap) or (<ColumnMap>col_map).n_genes != n_genes:
         col_map = ColumnMap(col_map, n_genes)
-    longest = 0 if indptr is None else min(n_genes, int(np.diff(np.asarray(indptr)).max()))
-    return (<ColumnMap>col_map).array, longest
+    return (<ColumnMap>col_map).array, min(n_genes, int(np.diff(np.asarray(indptr)).max()))
 
 
 def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
@@ -704,7 +703,7 @@ def gather_into(list blobs, list chunk_tables, list indptrs, list excs, int64_t 
                 const int64_t[::1] group_tiles, const int64_t[::1] group_chunks,
                 const int64_t[::1] group_starts, const int64_t[::1] out_indptr,
                 int32_t[::1] indices, value_t[::1] values, int n_threads, list names,
-                object col_map=None, int64_t longest_row=-1):
+                object col_map=None):
     """Decode the cells ``rows`` (any order, repeats allowed) of one or more tiles into one
     CSR, in one parallel section.
 
@@ -715,8 +714,7 @@ def gather_into(list blobs, list chunk_tables, list indptrs, list excs, int64_t 
     ``order[group_starts[g]:group_starts[g + 1]]``, all in chunk ``group_chunks[g]`` of tile
     ``group_tiles[g]``, and ``rows`` holds positions within their tiles. Output row ``j`` goes
     to ``out_indptr[j]:out_indptr[j + 1]``. With ``col_map`` (a permutation of the columns)
-    every written row is renumbered and sorted again; ``longest_row`` (the most nonzeros of a
-    cell in these tiles, when the caller knows it) sizes the sort scratch.
+    every written row is renumbered and sorted again.
     """
     cdef Py_ssize_t n_groups = group_chunks.shape[0]
     cdef int64_t n_out = out_indptr[out_indptr.shape[0] - 1]
@@ -756,10 +754,9 @@ def gather_into(list blobs, list chunk_tables, list indptrs, list excs, int64_t 
     if group_starts[n_groups] > order.shape[0]:
         raise ValueError("group_starts run past order")
     if col_map is not None:
-        if longest_row < 0:
-            longest_row = max(int(np.diff(np.asarray(ip)).max()) for ip in indptrs)
-        map_v, _ = _permutation_scratch(col_map, n_genes, None)
-        capacity = min(n_genes, longest_row)
+        # Sort scratch for the longest output row: each is checked to be exactly as long as
+        # the cell written into it before it is sorted.
+        map_v, capacity = _permutation_scratch(col_map, n_genes, out_indptr)
         map_p = &map_v[0]
     status = np.zeros(n_groups, dtype=np.int32)
     detail = np.zeros(n_groups, dtype=np.int64)

@@ -374,7 +374,6 @@ class Tile:
         self._exceptions = _decode.check_frames(
             buf, self.layout.chunks, name, effective_n_threads(n_threads)
         )
-        self._longest_row: int | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -407,14 +406,6 @@ class Tile:
         view = self.layout.indptr.view()
         view.flags.writeable = False
         return view
-
-    @property
-    def longest_row(self) -> int:
-        """Most nonzeros of one cell (0 for a tile without cells)."""
-        if self._longest_row is None:
-            lengths = np.diff(self.layout.indptr)
-            self._longest_row = int(lengths.max()) if len(lengths) else 0
-        return self._longest_row
 
     @property
     def exception_counts(self) -> np.ndarray:
@@ -667,7 +658,6 @@ def gather_tiles_into(
         min(effective_n_threads(n_threads), max(len(keys), 1)),
         [t.name for t in tiles],
         col_map,
-        max(t.longest_row for t in tiles) if col_map is not None else -1,
     )
 
 
