@@ -352,14 +352,13 @@ class DeltacellsCSRDataset(CSRDataset):
         # the rows touch is estimated from their positions (chunks hold about equal shares of
         # a tile's cells), so rows clustered in a few chunks, as a box query's are in spatial
         # order, stay ranged however many they are.
-        tile_cells = np.asarray(m.tile_cells, dtype=np.int64)[tile_of]
-        chunks = np.minimum(max(m.n_chunks, 1), np.maximum(tile_cells, 1))
-        near_chunk = (ordered - self._starts[tile_of]) * chunks // np.maximum(tile_cells, 1)
-        touched = np.unique(tile_of * (max(m.n_chunks, 1) + 1) + near_chunk)
-        touched_per_tile = np.bincount(touched // (max(m.n_chunks, 1) + 1),
-                                       minlength=len(self._limits))  # fmt: skip
-        chunks_per_tile = np.minimum(max(m.n_chunks, 1),
-                                     np.maximum(np.asarray(m.tile_cells, dtype=np.int64), 1))
+        n_chunks = max(m.n_chunks, 1)
+        cells_per_tile = np.maximum(np.asarray(m.tile_cells, dtype=np.int64), 1)
+        chunks_per_tile = np.minimum(n_chunks, cells_per_tile)
+        near_chunk = ((ordered - self._starts[tile_of]) * chunks_per_tile[tile_of]
+                      // cells_per_tile[tile_of])  # fmt: skip
+        touched = np.unique(tile_of * n_chunks + near_chunk)  # near_chunk < n_chunks
+        touched_per_tile = np.bincount(touched // n_chunks, minlength=len(chunks_per_tile))
         whole = (touched_per_tile > 0.5 * chunks_per_tile)[tile_of]
         if whole.all():
             return self._get_rows_whole(rows)
