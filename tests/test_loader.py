@@ -336,6 +336,37 @@ def test_take_rows_kernel_checks_its_output_rows():
                                 col_map, 2, False)  # fmt: skip
 
 
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float32, np.float64])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_taken_rows_in_source_order_equal_scipy(dtype, n_threads):
+    # The loader's source-order step (rows renumbered and sorted, the next row prefetched,
+    # the output streamed past the cache) against scipy's own column permutation; rows of
+    # 30-600 entries take the SIMD sort's path, a few short ones the insertion sort.
+    rng = np.random.default_rng(11)
+    n_rows, n_cols = 300, 2_000
+    lengths = np.where(rng.random(n_rows) < 0.1, rng.integers(0, 20, n_rows),
+                       rng.integers(30, 600, n_rows))  # fmt: skip
+    rows_idx = [np.sort(rng.choice(n_cols, n, replace=False)) for n in lengths]
+    indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    indices = np.concatenate(rows_idx).astype(np.int32)
+    data = rng.integers(1, 1000, len(indices)).astype(dtype)
+    col_map = rng.permutation(n_cols).astype(np.int64)  # stored column j is column col_map[j]
+    source = sp.csr_matrix((data.copy(), col_map[indices], indptr), shape=(n_rows, n_cols))
+    source.sort_indices()
+    rows = rng.permutation(n_rows)[:250].astype(np.int64)  # random order, as batches take them
+    positions = rng.permutation(len(rows)).astype(np.int64)
+    out_indptr = np.concatenate([[0], np.cumsum(lengths[rows])]).astype(np.int64)
+    # One spare entry past the end each side: nothing may be written there.
+    out_idx = np.full(int(out_indptr[-1]) + 1, -7, np.int32)
+    out_val = np.full(int(out_indptr[-1]) + 1, -7, dtype)
+    _rows.take_rows_into(indptr, indices, data, rows, positions, out_indptr, out_idx, out_val,
+                         col_map, n_threads, True)  # fmt: skip
+    expected = source[rows]
+    np.testing.assert_array_equal(out_idx[:-1], expected.indices)
+    np.testing.assert_array_equal(out_val[:-1], expected.data)
+    assert out_idx[-1] == -7 and out_val[-1] == -7
+
 def test_decoded_tiles_are_dropped_after_their_last_batch(pair, monkeypatch):
     from deltacells.train import loader as loader_module
 

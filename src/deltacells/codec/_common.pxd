@@ -14,6 +14,7 @@ cdef extern from "kernels.h" nogil:
     int dc_planes_to_f32(const uint8_t* lo, const uint8_t* hi, int64_t n, float* out,
                          int stream) noexcept nogil
     void dc_store_fence() noexcept nogil
+    void dc_prefetch(const void* p, int64_t bytes) noexcept nogil
     int dc_chunk_gaps(const uint8_t* lo, const uint8_t* hi, int64_t n, const int64_t* indptr,
                       int64_t cell_lo, int64_t cell_hi, int64_t a, int64_t n_genes,
                       int32_t* out, int stream) noexcept nogil
@@ -21,7 +22,7 @@ cdef extern from "kernels.h" nogil:
     int dc_row_sort(const int32_t* idx, const uint32_t* val32, const double* val64, int64_t n,
                     const int32_t* col_map, uint32_t n_map, uint64_t* keys, uint64_t* spare,
                     double* held, int64_t capacity, dc_sort32_fn sort32, int32_t* out_idx,
-                    uint32_t* out32, double* out64, int64_t* kept) noexcept nogil
+                    uint32_t* out32, double* out64, int64_t* kept, int stream) noexcept nogil
 
 ctypedef fused value_t:
     int32_t

@@ -609,7 +609,7 @@ cdef void _decode_jobs(const TileRef* tiles, const int64_t* job_tiles, int64_t n
                     kept = 0  # assigned here so that Cython makes it thread-private
                     st = row_to_mapped_order(
                         idx_out + o, val_out + o, length, col_map, <uint32_t>n_genes, &sorting,
-                        idx_out + o, val_out + o, &kept)
+                        idx_out + o, val_out + o, &kept, False)
                     if st != OK:
                         detail[g] = k if rows == NULL else rows[order[k]]
                         st = E_COL_MAP

@@ -21,6 +21,8 @@ from deltacells.codec._common cimport (
     E_NOMEM,
     E_CELL_RANGE,
     E_ZERO_GAP,
+    dc_prefetch,
+    dc_store_fence,
 )
 from deltacells.codec._rowsort cimport (
     SortScratch,
@@ -79,7 +81,7 @@ cdef void _remap_rows(const int64_t* indptr, const int32_t* indices, const value
                 st = row_to_mapped_order(
                     indices + indptr[r], data + indptr[r], indptr[r + 1] - indptr[r], col_map,
                     <uint32_t>n_map, &sorting, out_indices + out_indptr[r],
-                    out_data + out_indptr[r], &kept)
+                    out_data + out_indptr[r], &kept, False)
                 if st == OK and kept != out_indptr[r + 1] - out_indptr[r]:
                     st = E_CELL_RANGE
                 if st != OK:
@@ -180,7 +182,7 @@ def take_rows_into(const int64_t[::1] indptr, const int32_t[::1] indices,
     dense, where order does not matter); rows run in parallel on ``n_threads``.
     """
     cdef Py_ssize_t n_in = indptr.shape[0] - 1, n_pos = positions.shape[0], k
-    cdef int64_t j, r, length, kept, n_map = 0, n_cols = 0, longest = 0, capacity
+    cdef int64_t j, r, following, length, kept, n_map = 0, n_cols = 0, longest = 0, capacity
     cdef int32_t* idx_out = &out_indices[0] if out_indices.shape[0] else NULL
     cdef value_t* val_out = &out_data[0] if out_data.shape[0] else NULL
     cdef const int32_t* map_p = NULL
@@ -230,12 +232,22 @@ def take_rows_into(const int64_t[::1] indptr, const int32_t[::1] indices,
             elif not sorting.ready:
                 status_v[k] = E_NOMEM
             else:
+                # The next row's lines load while this one sorts in cache (rows come in
+                # random order; streaming copies above gain nothing from this).
+                if k + 1 < n_pos:
+                    following = rows[positions[k + 1]]
+                    dc_prefetch(&indices[indptr[following]],
+                                (indptr[following + 1] - indptr[following]) * sizeof(int32_t))
+                    dc_prefetch(&data[indptr[following]],
+                                (indptr[following + 1] - indptr[following]) * sizeof(value_t))
                 kept = 0  # assigned here so that Cython makes it thread-private
+                # A minibatch is written once here and read by its consumer: streamed out.
                 status_v[k] = row_to_mapped_order(
                     &indices[indptr[r]], &data[indptr[r]], length, map_p, <uint32_t>n_map,
-                    &sorting, idx_out + out_indptr[j], val_out + out_indptr[j], &kept)
+                    &sorting, idx_out + out_indptr[j], val_out + out_indptr[j], &kept, True)
                 if status_v[k] == OK and kept != out_indptr[j + 1] - out_indptr[j]:
                     status_v[k] = E_CELL_RANGE
+        dc_store_fence()  # the rows streamed out are seen by every thread after the region
         free_sort_scratch(&sorting)
     failed = np.flatnonzero(status)
     if failed.size:

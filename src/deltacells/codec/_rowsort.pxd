@@ -41,10 +41,11 @@ cdef inline void free_sort_scratch(SortScratch* s) noexcept nogil:
 cdef inline int row_to_mapped_order(const int32_t* idx, const value_t* val, int64_t n,
                                     const int32_t* col_map, uint32_t n_map, SortScratch* s,
                                     int32_t* out_idx, value_t* out_val,
-                                    int64_t* kept) noexcept nogil:
+                                    int64_t* kept, bint stream) noexcept nogil:
     """Move one row's columns through ``col_map`` (-1 drops) and write them sorted
     (``dc_row_sort``, in place if ``out_* == idx/val``), in a thread's scratch ``s``
-    (made with ``hold_values`` for float64).
+    (made with ``hold_values`` for float64); ``stream`` writes an output that is not the
+    input with non-temporal stores (run ``dc_store_fence`` before others read it).
 
     Returns E_CELL_RANGE for a column outside col_map (row untouched) and E_ZERO_GAP for two
     columns mapped to one (the row may be partly rewritten; callers raise).
@@ -52,10 +53,11 @@ cdef inline int row_to_mapped_order(const int32_t* idx, const value_t* val, int6
     cdef int st
     if value_t is double:
         st = dc_row_sort(idx, NULL, val, n, col_map, n_map, s.keys, s.spare, s.held,
-                         s.capacity, s.sort32, out_idx, NULL, out_val, kept)
+                         s.capacity, s.sort32, out_idx, NULL, out_val, kept, stream)
     else:  # int32 and float32 travel as their 32 bits
         st = dc_row_sort(idx, <const uint32_t*>val, NULL, n, col_map, n_map, s.keys, s.spare,
-                         NULL, s.capacity, s.sort32, out_idx, <uint32_t*>out_val, NULL, kept)
+                         NULL, s.capacity, s.sort32, out_idx, <uint32_t*>out_val, NULL, kept,
+                         stream)
     if st == 1:
         return E_CELL_RANGE
     if st == 2:

@@ -154,6 +154,14 @@ static inline int dc_planes_to_f32(const uint8_t* lo, const uint8_t* hi, int64_t
     return found;
 }
 
+/* Ask for every cache line of bytes at p ahead of its use (into L1): the next row of a
+   decoded tile while the current one is sorted, so that its lines do not wait for memory
+   (rows are taken in random order, which the hardware prefetcher cannot follow). */
+static inline void dc_prefetch(const void* p, int64_t bytes) {
+    const char* c = (const char*)p;
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
+}
+
 /* A sort of n uint32 values in place, numpy's signature (PyArray_SortFunc; the third
    argument unused for integers): numpy's quicksort for uint32, which runs x86-simd-sort's
    AVX-512 code where the CPU has it. */
@@ -169,7 +177,7 @@ static inline int dc_row_sort_narrow(const int32_t* idx, const uint32_t* val32,
                                      const double* val64, int64_t n, const int32_t* col_map,
                                      uint32_t n_map, uint32_t* keys, uint32_t* spare, double* held,
                                      int64_t capacity, dc_sort32_fn sort32, int32_t* out_idx,
-                                     uint32_t* out32, double* out64, int64_t* kept) {
+                                     uint32_t* out32, double* out64, int64_t* kept, int stream) {
     uint32_t max_col = 0;
     int64_t o = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -192,6 +200,25 @@ static inline int dc_row_sort_narrow(const int32_t* idx, const uint32_t* val32,
     }
     if (o > 1) sort32(keys, (intptr_t)o, NULL);
     uint32_t previous = ~(uint32_t)0;
+#if defined(__SSE2__) && defined(__x86_64__)
+    if (stream && !in_place) {
+        for (int64_t i = 0; i < o; i++) {
+            uint32_t x = keys[i];
+            if ((x >> 16) == previous) return 2;
+            previous = x >> 16;
+            _mm_stream_si32((int*)out_idx + i, (int)(x >> 16));
+            if (held) {
+                int64_t bits;
+                memcpy(&bits, val64 + (x & 0xFFFF), sizeof bits);
+                _mm_stream_si64((long long*)out64 + i, bits);
+            } else {
+                _mm_stream_si32((int*)out32 + i, (int)val32[x & 0xFFFF]);
+            }
+        }
+        *kept = o;
+        return 0;
+    }
+#endif
     for (int64_t i = 0; i < o; i++) {
         uint32_t x = keys[i];
         if ((x >> 16) == previous) return 2;
@@ -217,16 +244,19 @@ static inline int dc_row_sort_narrow(const int32_t* idx, const uint32_t* val32,
    Works in place (out == in): everything is read before anything is written. Returns 0,
    1 for a column >= n_map (before writing anything), 2 for two columns mapped to one place
    (equal neighbours once sorted, found while writing, or more kept entries than capacity
-   when that is the number of output columns). */
+   when that is the number of output columns). With stream, the narrow path writes a row
+   that is not sorted in place with non-temporal stores: for outputs written once and read
+   later by someone else (a minibatch), which then skip the cache and its read for ownership
+   (callers run dc_store_fence before other threads read them). */
 static inline int dc_row_sort(const int32_t* idx, const uint32_t* val32, const double* val64,
                               int64_t n, const int32_t* col_map, uint32_t n_map,
                               uint64_t* keys, uint64_t* spare, double* held,
                               int64_t capacity, dc_sort32_fn sort32, int32_t* out_idx,
-                              uint32_t* out32, double* out64, int64_t* kept) {
+                              uint32_t* out32, double* out64, int64_t* kept, int stream) {
     if (sort32 != NULL && n > 24 && n <= 65536) {
         int st = dc_row_sort_narrow(idx, val32, val64, n, col_map, n_map, (uint32_t*)keys,
                                     (uint32_t*)spare, held, capacity, sort32, out_idx, out32,
-                                    out64, kept);
+                                    out64, kept, stream);
         if (st != 3) return st;
     }
     uint32_t max_col = 0;
