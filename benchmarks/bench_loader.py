@@ -26,6 +26,13 @@ every epoch:
 Through S3, annbatch and anndata are timed over their first ``--gzip-batches`` batches (each
 is hundreds of times slower there than deltacells).
 
+The source gene order's limit (``sort_floor`` in the JSON): in one more process, ``--repeats``
+rounds of a stored-order epoch (rows copied as decoded), the row step's renumbering and sort
+alone on every row of every tile (``_rows.sort_keys_only``, nothing written), and a default
+epoch. An exact source-order loader built on this sort cannot beat the first two together
+(``floor_s``); ``source_vs_floor`` is the default epoch against that floor, and
+``floor_vs_annbatch_steady`` the floor's cells/s against annbatch's later epochs.
+
 Writes ``benchmarks/results/loader.json`` and ``docs/_static/bench_loader.png``.
 """
 
@@ -72,6 +79,54 @@ def child_deltacells(path: str, batch_size: int, options: dict) -> dict:
     if len(set(counts)) != 1:
         raise RuntimeError(f"epochs gave different numbers of cells: {counts}")
     return {"cells": cells, "seconds": times[0], "cpu_s": cpu, "later_seconds": times[1:]}
+
+
+def child_floor(path: str, batch_size: int, options: dict) -> dict:
+    """The source order's limit in one process: per round, a stored-order epoch (rows copied
+    as decoded), renumbering and sorting every row alone (``_rows.sort_keys_only``, the row
+    step's own sort on all tiles, rows in random order), and a default (source-order) epoch.
+    The floor of an exact source-order loader built on this sort is the first plus the second.
+    """
+    import numpy as np
+
+    import deltacells as dc
+    from deltacells.codec import _rows
+    from deltacells.codec.threads import effective_n_threads
+
+    rounds = options.get("rounds", 5)
+    n_threads = effective_n_threads(None)
+    dataset = dc.open_dataset(path)
+    col_map = dc.Loader(path, batch_size=batch_size)._col_map
+    rng = np.random.default_rng(0)
+    tiles = []
+    for t in range(dataset.manifest.n_tiles):
+        m = dataset.tile(t).decode(np.float32)
+        tiles.append((m.indptr.astype(np.int64), m.indices, rng.permutation(m.shape[0])))
+
+    def epoch(**kw) -> float:
+        loader = dc.Loader(path, batch_size=batch_size, seed=0, **kw)
+        t0 = time.perf_counter()
+        for _ in loader:
+            pass
+        return time.perf_counter() - t0
+
+    def sort_all() -> float:
+        t0 = time.perf_counter()
+        for indptr, indices, rows in tiles:
+            _rows.sort_keys_only(indptr, indices, rows, col_map, n_threads)
+        return time.perf_counter() - t0
+
+    epoch(), epoch(column_order="stored")  # threads, pools and pages made once
+    stored, sort, source = [], [], []
+    for _ in range(rounds):
+        stored.append(epoch(column_order="stored"))
+        sort.append(sort_all())
+        source.append(epoch())
+    floor = [a + b for a, b in zip(stored, sort, strict=True)]
+    return {"cells": dataset.manifest.n_cells, "rounds": rounds, "stored_epoch_s": stored,
+            "sort_only_s": sort, "source_epoch_s": source, "floor_s": floor,
+            "source_vs_floor_rounds": [f / s for f, s in zip(floor, source, strict=True)],
+            "seconds": float(np.median(source))}  # fmt: skip
 
 
 def child_anndata(path: str, batch_size: int, options: dict) -> dict:
@@ -144,6 +199,23 @@ def annbatch_python(explicit: str | None) -> str:
     return python
 
 
+def summarize_floor(floor: dict, annbatch: dict | None) -> dict:
+    """Medians of the floor child's rounds, and what they mean against annbatch."""
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    out = {key: median(floor[key]) for key in
+           ("stored_epoch_s", "sort_only_s", "source_epoch_s", "floor_s")}  # fmt: skip
+    out["source_vs_floor"] = median(floor["source_vs_floor_rounds"])
+    out["source_vs_floor_rounds"] = floor["source_vs_floor_rounds"]
+    out["floor_cells_per_s"] = floor["cells"] / out["floor_s"]
+    if annbatch is not None and "steady_cells_per_s" in annbatch:
+        # The best an exact source-order loader on this sort could show in later epochs.
+        out["floor_vs_annbatch_steady"] = out["floor_cells_per_s"] / annbatch["steady_cells_per_s"]
+    return out
+
+
 def plot(results: dict, path: Path) -> None:
     runs = results["runs"]
     names = list(runs)
@@ -184,6 +256,7 @@ def main() -> None:
     me = sys.executable
     workdir = Path(tempfile.mkdtemp(prefix="dc-bench-loader-"))
     runs: dict[str, dict] = {}
+    floor: dict | None = None
 
     def record(name: str, python: str, tool: str, path, options: dict, repeats: int) -> None:
         # Median cells/s and largest peak RSS of ``repeats`` epochs, each in a fresh process.
@@ -221,6 +294,8 @@ def main() -> None:
                {"sorted_indices": False, **more}, n)  # fmt: skip
         if not args.no_annbatch:
             record("annbatch (zarrs)", python, "annbatch", str(collection), more, n)
+        floor = run_child(me, "floor", str(paths["deltacells"]), args.batch_size,
+                          {"rounds": n})  # fmt: skip
         record("anndata backed h5ad", me, "anndata", paths["h5ad"], {}, 1)
         record(f"anndata backed h5ad gzip ({args.gzip_batches} batches)", me, "anndata",
                paths["h5ad_gzip"], {"max_batches": args.gzip_batches}, 1)  # fmt: skip
@@ -263,6 +338,10 @@ def main() -> None:
                 ratios["steady_speed_ratio"] = (runs[name]["steady_cells_per_s"]
                                                 / local_ref["steady_cells_per_s"])  # fmt: skip
         print(json.dumps(results["vs_annbatch"], indent=1))
+    if floor is not None:
+        results["sort_floor"] = summarize_floor(floor, runs.get("annbatch (zarrs)"))
+        print(json.dumps({k: v for k, v in results["sort_floor"].items() if "rounds" not in k},
+                         indent=1))  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
     plot(results, args.plot)
@@ -274,7 +353,7 @@ def child_main(spec: dict) -> None:
 
     tool, path, batch_size, options = (spec["tool"], spec["path"], spec["batch_size"],
                                        spec["options"])  # fmt: skip
-    run = {"deltacells": child_deltacells, "anndata": child_anndata}[tool]
+    run = {"deltacells": child_deltacells, "anndata": child_anndata, "floor": child_floor}[tool]
     result = run(path, batch_size, options)
     result["peak_rss_mb"] = peak_rss_mb()
     print(json.dumps(result))

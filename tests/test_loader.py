@@ -337,6 +337,31 @@ def test_take_rows_kernel_checks_its_output_rows():
 
 
 
+def test_the_sort_limit_sorts_the_keys_the_row_step_sorts():
+    # bench_loader's floor: the row step's keys (new column above position), sorted; the
+    # checksum (sum of each row's middle key) is numpy's and the same on 1 and 2 threads.
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(0, 400, 120)
+    indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    indices = np.concatenate([np.sort(rng.choice(3_000, n, replace=False))
+                              for n in lengths]).astype(np.int32)  # fmt: skip
+    col_map = rng.permutation(3_000).astype(np.int64)
+    rows = rng.permutation(len(lengths)).astype(np.int64)
+    expected = 0
+    for r in rows:
+        part = indices[indptr[r] : indptr[r + 1]]
+        positions = np.arange(len(part), dtype=np.uint32)
+        keys = np.sort((col_map[part].astype(np.uint32) << 16) | positions)
+        expected += int(keys[len(keys) // 2]) if len(keys) else 0
+    for n_threads in (1, 2):
+        got = _rows.sort_keys_only(indptr, indices, rows, col_map, n_threads)
+        assert got == expected % 2**32
+    with pytest.raises(ValueError, match="col_map"):
+        _rows.sort_keys_only(indptr, indices, rows, np.where(col_map == 0, -1, col_map))
+    with pytest.raises(ValueError, match="out of range"):
+        _rows.sort_keys_only(indptr, indices, np.array([len(lengths)]), col_map)
+
+
 @pytest.mark.parametrize("dtype", [np.int32, np.float32, np.float64])
 @pytest.mark.parametrize("n_threads", [1, 2])
 def test_taken_rows_in_source_order_equal_scipy(dtype, n_threads):

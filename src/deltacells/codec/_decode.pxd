@@ -4,3 +4,4 @@ from deltacells.codec._common cimport dc_sort32_fn
 
 
 cdef dc_sort32_fn row_sort32() noexcept nogil
+cdef dc_sort32_fn numpy_sort32(bint wanted) noexcept

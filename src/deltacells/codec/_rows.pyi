@@ -31,6 +31,13 @@ def take_rows_into(
     n_threads: int = 1,
     sort: bool = True,
 ) -> None: ...
+def sort_keys_only(
+    indptr: NDArray[np.int64],
+    indices: NDArray[np.int32],
+    rows: NDArray[np.int64],
+    col_map: NDArray[np.int64],
+    n_threads: int = 1,
+) -> int: ...
 def normalize_rows(
     indptr: NDArray[np.int64],
     data: NDArray[np.float32] | NDArray[np.float64],

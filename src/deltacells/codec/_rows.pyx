@@ -6,6 +6,7 @@ from cython.parallel cimport parallel, prange
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
 from cython cimport floating
 from libc.math cimport log1p as c_log1p
+from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
 cdef extern from "Python.h":
@@ -22,6 +23,7 @@ from deltacells.codec._common cimport (
     E_CELL_RANGE,
     E_ZERO_GAP,
     dc_prefetch,
+    dc_sort32_fn,
     dc_store_fence,
 )
 from deltacells.codec._rowsort cimport (
@@ -30,7 +32,7 @@ from deltacells.codec._rowsort cimport (
     new_sort_scratch,
     row_to_mapped_order,
 )
-from deltacells.codec._decode cimport row_sort32
+from deltacells.codec._decode cimport numpy_sort32, row_sort32
 
 
 cdef inline int _row_mapped_unsorted(const int32_t* idx, const value_t* val, int64_t n,
@@ -294,6 +296,55 @@ def row_sums(const int64_t[::1] indptr, const value_t[::1] data, int n_threads=1
                 total = total + data[i]
             out_v[r] = total
     return out
+
+
+def sort_keys_only(const int64_t[::1] indptr, const int32_t[::1] indices,
+                   const int64_t[::1] rows, object col_map, int n_threads=1):
+    """Renumber and sort the given rows' columns and do nothing else: the limit for the
+    source-order row step of :func:`take_rows_into`.
+
+    Each entry of each row in ``rows`` (in that order, in parallel on ``n_threads``) becomes the
+    32-bit key (new column above its position) that the row step sorts, and the keys are
+    sorted by the same sort (numpy's quicksort where the row step runs its radix sort, see
+    codec/rowsort.py); nothing is written out. For benchmarks (``bench_loader``'s floor),
+    rows of up to 65,536 entries and ``col_map`` (int64, no -1) onto fewer than 65,536
+    columns. Returns a checksum of the sorted keys, so the work cannot be skipped.
+    """
+    cdef Py_ssize_t n_in = indptr.shape[0] - 1, n_rows = rows.shape[0], k
+    cdef int64_t r, i, n, longest = 0
+    cdef uint32_t total = 0, column
+    cdef uint32_t* keys = NULL
+    # The row step's sort, or numpy's quicksort where the row step uses its radix sort.
+    cdef dc_sort32_fn sort32 = row_sort32() if row_sort32() != NULL else numpy_sort32(True)
+    map_v = np.ascontiguousarray(col_map, dtype=np.int64)
+    if map_v.ndim != 1 or map_v.shape[0] == 0 or map_v.min() < 0 or map_v.max() >= 65536:
+        raise ValueError("col_map must map onto 0..65535 without dropping columns")
+    cdef const int32_t[::1] cmap = map_v.astype(np.int32)
+    cdef uint32_t n_map = <uint32_t>cmap.shape[0]
+    for k in range(n_rows):
+        if rows[k] < 0 or rows[k] >= n_in:
+            raise ValueError(f"rows[{k}] is out of range")
+        longest = max(longest, indptr[rows[k] + 1] - indptr[rows[k]])
+    if longest > 65536 or (n_in and (indptr[0] < 0 or indptr[n_in] > indices.shape[0])):
+        raise ValueError("a row is longer than 65,536 entries or outside indices")
+    cdef const int32_t* idx = &indices[0] if indices.shape[0] else NULL
+    with nogil, parallel(num_threads=n_threads):
+        keys = <uint32_t*>malloc((longest + 1) * sizeof(uint32_t))
+        for k in prange(n_rows, schedule="dynamic", chunksize=64):
+            if keys == NULL:
+                continue
+            r = rows[k]
+            n = indptr[r + 1] - indptr[r]
+            for i in range(n):
+                column = <uint32_t>idx[indptr[r] + i]
+                # An index outside col_map counts as column 0: the time is what is measured.
+                keys[i] = ((<uint32_t>cmap[column] if column < n_map else 0) << 16) | <uint32_t>i
+            if n > 1:
+                sort32(keys, n, NULL)
+            if n > 0:
+                total += keys[n // 2]
+        free(keys)
+    return int(total)
 
 
 def kept_per_row(const int64_t[::1] indptr, const int32_t[::1] indices,
