@@ -324,9 +324,12 @@ def sort_keys_only(const int64_t[::1] indptr, const int32_t[::1] indices,
     for k in range(n_rows):
         if rows[k] < 0 or rows[k] >= n_in:
             raise ValueError(f"rows[{k}] is out of range")
-        longest = max(longest, indptr[rows[k] + 1] - indptr[rows[k]])
-    if longest > 65536 or (n_in and (indptr[0] < 0 or indptr[n_in] > indices.shape[0])):
-        raise ValueError("a row is longer than 65,536 entries or outside indices")
+        r = rows[k]
+        if indptr[r] < 0 or indptr[r + 1] < indptr[r] or indptr[r + 1] > indices.shape[0]:
+            raise ValueError(f"row {r} lies outside indices (indptr must rise within it)")
+        longest = max(longest, indptr[r + 1] - indptr[r])
+    if longest > 65536:
+        raise ValueError("a row is longer than 65,536 entries")
     cdef const int32_t* idx = &indices[0] if indices.shape[0] else NULL
     with nogil, parallel(num_threads=n_threads):
         keys = <uint32_t*>malloc((longest + 1) * sizeof(uint32_t))
