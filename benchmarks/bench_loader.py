@@ -223,6 +223,20 @@ def plot(results: dict, path: Path) -> None:
 
     fig, axes = page_figure(2, panel_height=0.3 * len(names) + 0.9)
     axes[0].barh(names, [runs[n]["cells_per_s"] for n in names], color="tab:blue")
+    # On the default loader's bar: the source order's floor (stored-order epoch plus the
+    # sort alone, later epochs in one process) and the goal, 3x annbatch's first epoch.
+    if "deltacells" in runs:
+        y = names.index("deltacells")
+        floor = (results.get("sort_floor") or {}).get("floor_cells_per_s")
+        if floor:
+            axes[0].plot([floor] * 2, [y - 0.45, y + 0.45], color="black", lw=2,
+                         label="floor: stored-order epoch + sort alone")  # fmt: skip
+        if "annbatch (zarrs)" in runs:
+            goal = 3 * runs["annbatch (zarrs)"]["cells_per_s"]
+            axes[0].plot([goal] * 2, [y - 0.45, y + 0.45], color="tab:red", lw=2, ls="--",
+                         label="goal: 3x annbatch")  # fmt: skip
+        if floor or "annbatch (zarrs)" in runs:
+            axes[0].legend(fontsize=8, loc="upper right")
     axes[0].set_xscale("log")
     axes[0].set_xlabel("cells / s, log scale (higher is better)")
     axes[1].barh(names, [runs[n]["peak_rss_mb"] for n in names], color="tab:orange")
