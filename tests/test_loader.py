@@ -360,6 +360,8 @@ def test_the_sort_limit_sorts_the_keys_the_row_step_sorts():
         _rows.sort_keys_only(indptr, indices, rows, np.where(col_map == 0, -1, col_map))
     with pytest.raises(ValueError, match="out of range"):
         _rows.sort_keys_only(indptr, indices, np.array([len(lengths)]), col_map)
+    with pytest.raises(ValueError, match="outside col_map"):
+        _rows.sort_keys_only(indptr, indices, rows, col_map[:2_000])
     falling = indptr.copy()
     falling[1] = indices.shape[0] + 100  # row 0 would run past the end of indices
     with pytest.raises(ValueError, match="outside indices"):

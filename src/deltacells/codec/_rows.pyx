@@ -23,6 +23,7 @@ from deltacells.codec._common cimport (
     E_CELL_RANGE,
     E_ZERO_GAP,
     dc_prefetch,
+    dc_row_keys32,
     dc_sort32_fn,
     dc_store_fence,
 )
@@ -311,8 +312,8 @@ def sort_keys_only(const int64_t[::1] indptr, const int32_t[::1] indices,
     columns. Returns a checksum of the sorted keys, so the work cannot be skipped.
     """
     cdef Py_ssize_t n_in = indptr.shape[0] - 1, n_rows = rows.shape[0], k
-    cdef int64_t r, i, n, longest = 0
-    cdef uint32_t total = 0, column
+    cdef int64_t r, n, kept, longest = 0
+    cdef uint32_t total = 0, columns
     cdef uint32_t* keys = NULL
     # The row step's sort, or numpy's quicksort where the row step uses its radix sort.
     cdef dc_sort32_fn sort32 = row_sort32() if row_sort32() != NULL else numpy_sort32(True)
@@ -320,7 +321,6 @@ def sort_keys_only(const int64_t[::1] indptr, const int32_t[::1] indices,
     if map_v.ndim != 1 or map_v.shape[0] == 0 or map_v.min() < 0 or map_v.max() >= 65536:
         raise ValueError("col_map must map onto 0..65535 without dropping columns")
     cdef const int32_t[::1] cmap = map_v.astype(np.int32)
-    cdef uint32_t n_map = <uint32_t>cmap.shape[0]
     for k in range(n_rows):
         if rows[k] < 0 or rows[k] >= n_in:
             raise ValueError(f"rows[{k}] is out of range")
@@ -330,23 +330,34 @@ def sort_keys_only(const int64_t[::1] indptr, const int32_t[::1] indices,
         longest = max(longest, indptr[r + 1] - indptr[r])
     if longest > 65536:
         raise ValueError("a row is longer than 65,536 entries")
+    status = np.zeros(max(n_rows, 1), dtype=np.int32)
+    cdef int32_t[::1] status_v = status
     cdef const int32_t* idx = &indices[0] if indices.shape[0] else NULL
     with nogil, parallel(num_threads=n_threads):
         keys = <uint32_t*>malloc((longest + 1) * sizeof(uint32_t))
         for k in prange(n_rows, schedule="dynamic", chunksize=64):
             if keys == NULL:
+                status_v[k] = E_NOMEM
                 continue
             r = rows[k]
             n = indptr[r + 1] - indptr[r]
-            for i in range(n):
-                column = <uint32_t>idx[indptr[r] + i]
-                # An index outside col_map counts as column 0: the time is what is measured.
-                keys[i] = ((<uint32_t>cmap[column] if column < n_map else 0) << 16) | <uint32_t>i
-            if n > 1:
-                sort32(keys, n, NULL)
-            if n > 0:
-                total += keys[n // 2]
+            kept = 0  # assigned here so that Cython makes it thread-private
+            # The row step's own keys (dc_row_sort's narrow path); with room for every entry,
+            # the only failure is a column outside col_map.
+            if dc_row_keys32(idx + indptr[r], n, &cmap[0], <uint32_t>cmap.shape[0], longest,
+                             keys, &kept, &columns) != 0:
+                status_v[k] = E_CELL_RANGE
+                continue
+            if kept > 1:
+                sort32(keys, kept, NULL)
+            if kept > 0:
+                total += keys[kept // 2]
         free(keys)
+    failed = np.flatnonzero(status)
+    if failed.size:
+        if status[failed[0]] == E_NOMEM:
+            raise MemoryError("no memory for the sort keys")
+        raise ValueError(f"row {rows[failed[0]]}: a column outside col_map")
     return int(total)
 
 

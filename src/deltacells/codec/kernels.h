@@ -167,6 +167,28 @@ static inline void dc_prefetch(const void* p, int64_t bytes) {
    AVX-512 code where the CPU has it. */
 typedef int (*dc_sort32_fn)(void* start, intptr_t n, void* unused);
 
+/* The 32-bit sort keys of one row (of up to 65,536 entries): each entry that col_map keeps
+   (-1 drops) becomes its new column above its position in the row. Returns 0 with the keys'
+   count in *kept and the OR of their columns in *columns (above 0xFFFF: too wide for these
+   keys), 1 for a column >= n_map, or 2 for more kept entries than capacity. */
+static inline int dc_row_keys32(const int32_t* idx, int64_t n, const int32_t* col_map,
+                                uint32_t n_map, int64_t capacity, uint32_t* keys,
+                                int64_t* kept, uint32_t* columns) {
+    uint32_t any = 0;
+    int64_t o = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if ((uint32_t)idx[i] >= n_map) return 1;
+        int32_t c = col_map[idx[i]];
+        if (c < 0) continue;
+        if (o >= capacity) return 2;
+        any |= (uint32_t)c;
+        keys[o++] = ((uint32_t)c << 16) | (uint32_t)i;
+    }
+    *kept = o;
+    *columns = any;
+    return 0;
+}
+
 /* dc_row_sort's path for rows of up to 65,536 entries whose new columns are below 65,536 (every
    dataset of up to 65,536 genes): each entry becomes a 32-bit key, column above its position
    in the input row, sorted by sort32; values are then read by position (from scratch, spare as
@@ -180,14 +202,8 @@ static inline int dc_row_sort_narrow(const int32_t* idx, const uint32_t* val32,
                                      uint32_t* out32, double* out64, int64_t* kept, int stream) {
     uint32_t max_col = 0;
     int64_t o = 0;
-    for (int64_t i = 0; i < n; i++) {
-        if ((uint32_t)idx[i] >= n_map) return 1;
-        int32_t c = col_map[idx[i]];
-        if (c < 0) continue;
-        if (o >= capacity) return 2;
-        max_col |= (uint32_t)c;
-        keys[o++] = ((uint32_t)c << 16) | (uint32_t)i;
-    }
+    int st = dc_row_keys32(idx, n, col_map, n_map, capacity, keys, &o, &max_col);
+    if (st != 0) return st;
     int in_place = held ? out64 == val64 : out32 == val32;
     if (max_col > 0xFFFF || (in_place && n > capacity)) return 3;
     /* Sorting in place overwrites values still to be read: they wait in scratch. */
