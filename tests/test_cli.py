@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,24 @@ def test_convert_info_verify(tmp_path, capsys):
     assert main(["info", str(out)]) == 0
     assert "bytes" in capsys.readouterr().out
     assert main(["verify", str(out), "--quiet"]) == 0
+
+
+def test_a_reader_that_stops_early_ends_info_quietly(tmp_path):
+    # `deltacells info ... | head`: the pipe closes before the output is written. The command
+    # ends with 128 + SIGPIPE and nothing on stderr, not an error line.
+    out = tmp_path / "visium"
+    assert main(["convert", str(DATA_DIR / "visium_multisample.h5ad"), str(out),
+                 "--quiet"]) == 0  # fmt: skip
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written
+    try:
+        done = subprocess.run([sys.executable, "-m", "deltacells.cli", "info", str(out)],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True,
+                              check=False)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert done.stderr == ""
+    assert done.returncode == 141
 
 
 def test_messages_count_tiles_in_words(tmp_path, capsys):

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import re
+import select
 import sys
 from collections.abc import Sequence
 
@@ -455,12 +456,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"deltacells {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError as err:
+        if not _stdout_is_closed():
+            return _unexpected(args, err)
+        # Whoever read our output stopped (`deltacells info ... | head`): end quietly, as
+        # other command-line tools do (128 + SIGPIPE), with nothing left to flush at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as err:  # one line, never a traceback (unless asked for)
-        if os.environ.get("DELTACELLS_DEBUG"):
-            raise
-        print(f"deltacells {args.command}: error: {type(err).__name__}: {err} (set "
-              "DELTACELLS_DEBUG=1 for the traceback)", file=sys.stderr)  # fmt: skip
-        return 1
+        return _unexpected(args, err)
+
+
+def _unexpected(args: argparse.Namespace, err: Exception) -> int:
+    if os.environ.get("DELTACELLS_DEBUG"):
+        raise err
+    print(f"deltacells {args.command}: error: {type(err).__name__}: {err} (set "
+          "DELTACELLS_DEBUG=1 for the traceback)", file=sys.stderr)  # fmt: skip
+    return 1
+
+
+def _stdout_is_closed() -> bool:
+    """Whether the broken pipe is our standard output (not, say, a remote store's socket):
+    a pipe whose reader has gone polls as an error."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll here, or no real stdout
+        return False
 
 
 if __name__ == "__main__":  # pragma: no cover
