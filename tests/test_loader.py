@@ -406,14 +406,58 @@ def test_decoded_tiles_are_dropped_after_their_last_batch(pair, monkeypatch):
     release = loader_module._BatchBuilder.release
 
     def counting_release(self, batch_index):
-        held.append(len(self.decoded))
+        held.append((len(self.decoded), len(getattr(self, "outputs", ())),
+                     len(getattr(self, "parsed", ()))))  # fmt: skip
         release(self, batch_index)
 
     monkeypatch.setattr(loader_module._BatchBuilder, "release", counting_release)
-    assert len(cells_of(dc.Loader(url, batch_size=64, buffer_tiles=2, seed=1))) == 16
+    loader = dc.Loader(url, batch_size=64, buffer_tiles=2, seed=1, column_order="stored")
+    assert len(cells_of(loader)) == 16
     # A 64-cell batch from a 2-tile buffer needs those 2 tiles, or 4 when it straddles two
     # buffers; nothing else stays decoded.
-    assert max(held) <= 4 and min(held) >= 1
+    decoded = [h[0] for h in held]
+    assert max(decoded) <= 4 and min(decoded) >= 1
+    # The source order decodes each buffer straight into its batches: no tile is held
+    # decoded, only the batches laid out but not yet handed over (a 256-cell buffer feeds at
+    # most 5 of 64 cells) and the compressed tiles they wait for.
+    held.clear()
+    assert len(cells_of(dc.Loader(url, batch_size=64, buffer_tiles=2, seed=1))) == 16
+    assert max(h[0] for h in held) == 0
+    assert 0 < max(h[1] for h in held) <= 5 and max(h[2] for h in held) <= 4
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32])
+def test_batches_decoded_straight_into_place_equal_scipy(pair, dtype, monkeypatch):
+    # The default (source order, sorted) decodes each buffer's cells straight into the
+    # batches that take them: every batch must still hold exactly its cells' rows, across
+    # ranks whose padding wraps to the start, workers, and batches straddling buffers.
+    from deltacells.train import loader as loader_module
+
+    url, adata = pair
+    X = sp.csr_matrix(adata.X).astype(dtype)
+    calls = []
+    many = loader_module.gather_tiles_into_many
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[2]))
+        return many(*args, **kwargs)
+
+    monkeypatch.setattr(loader_module, "gather_tiles_into_many", counted)
+    seen = 0
+    cases = [(1, 0, 1, 0, 100), (3, 2, 1, 0, 96), (2, 1, 2, 1, 64), (3, 0, 2, 0, 37)]
+    for world_size, rank, workers, worker, size in cases:
+        loader = dc.Loader(url, batch_size=size, seed=4, rank=rank, world_size=world_size,
+                           values_dtype=dtype, buffer_tiles=2)  # fmt: skip
+        loader.set_worker(worker, workers)
+        for batch in loader:
+            expected = X[batch.cells]
+            assert batch.X.has_canonical_format and batch.X.dtype == dtype
+            np.testing.assert_array_equal(batch.X.indptr, expected.indptr)
+            np.testing.assert_array_equal(batch.X.indices, expected.indices)
+            np.testing.assert_array_equal(batch.X.data, expected.data)
+            seen += len(batch.cells)
+    # Every cell the ranks took was decoded once, by this path.
+    assert sum(calls) == seen
 
 
 def test_a_damaged_tile_raises_in_the_consumer_and_stopping_early_ends_the_thread(pair, tmp_path):

@@ -28,7 +28,7 @@ from tilekit import (
 
 import deltacells as dc
 from deltacells import FormatError
-from deltacells.codec.tile import gather_tiles_into
+from deltacells.codec.tile import gather_tiles_into, gather_tiles_into_many
 from deltacells.testing import check_rejects_or_decodes, fuzz_tiles
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -357,6 +357,39 @@ def test_a_gather_over_several_tiles_names_the_damaged_one():
     values = np.empty(indptr[-1], dtype=np.float32)
     with pytest.raises(FormatError, match=r"tile_000001\.dct: chunk 0: zero gap inside cell 1"):
         gather_tiles_into([good, bad], groups, rows, indptr, indices, values, n_threads=2)
+
+
+def test_a_gather_into_batches_names_the_damaged_tile_and_checks_its_places():
+    # The loader's path (rows decoded one by one into L1, renumbered, sorted and streamed to
+    # their batches) reports a damaged tile as the plain gather does, and refuses places that
+    # would write outside an output or over another row.
+    good = dc.Tile(_reference([[0, 5, 9], [2]], 10), name="tiles/tile_000000.dct")
+    bad = dc.Tile(_reference([[1], [3, 3]], 10), name="tiles/tile_000001.dct")
+    col_map = np.arange(10)[::-1].copy()
+    rows = np.array([0, 1, 1, 0], dtype=np.int64)
+    groups = [np.array([0, 3]), np.array([1, 2])]
+    outputs = [(np.empty(5, dtype=np.int32), np.empty(5, dtype=np.float32)) for _ in range(2)]
+    which = np.array([0, 1, 0, 1])
+    offsets = np.array([0, 0, 3, 2])  # rows of 3, 2, 2, 3 genes
+    with pytest.raises(FormatError, match=r"tile_000001\.dct: chunk 0: zero gap inside cell 1"):
+        gather_tiles_into_many([good, bad], groups, rows, outputs, which, offsets, col_map,
+                               n_threads=2)  # fmt: skip
+    fine = dc.Tile(_reference([[1], [3, 4]], 10), name="tiles/tile_000001.dct")
+    gather_tiles_into_many([good, fine], groups, rows, outputs, which, offsets, col_map)
+    assert outputs[0][0].tolist() == [0, 4, 9, 5, 6] and outputs[1][0].tolist() == [5, 6, 0, 4, 9]
+    for bad_which, bad_offsets, problem in (
+        ([0, 1, 0, 2], offsets, "names an output that does not exist"),
+        (which, [0, 0, 4, 2], "does not fit in its output"),
+        (which, [-1, 0, 3, 2], "does not fit in its output"),
+        (which, [0, 0, 2, 2], "overlap in one output"),
+    ):
+        with pytest.raises(ValueError, match=problem):
+            gather_tiles_into_many([good, fine], groups, rows, outputs, np.array(bad_which),
+                                   np.array(bad_offsets), col_map)  # fmt: skip
+    with pytest.raises(ValueError, match="needs col_map"):
+        gather_tiles_into_many([good, fine], groups, rows, outputs, which, offsets, None)
+    with pytest.raises(ValueError, match="col_map must be a permutation"):
+        gather_tiles_into_many([good, fine], groups, rows, outputs, which, offsets, col_map[1:])
 
 
 def test_gene_index_past_n_genes_at_the_end_of_a_long_cell():

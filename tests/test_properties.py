@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import deltacells as dc
 from deltacells.codec import _decode, _rows
 from deltacells.codec._decode import ColumnMap
-from deltacells.codec.tile import gather_tiles_into
+from deltacells.codec.tile import gather_tiles_into, gather_tiles_into_many
 
 GENE_COUNTS = [1, 2, 17, 300, 65535, 65536, 65537, 200_000]
 SPECIAL_COUNTS = np.array([1, 2, 255, 256, 65535, 65536, 65537, 2**24, 2**31 - 1])
@@ -222,6 +222,25 @@ def test_gathering_from_many_tiles_at_once_equals_each_tile_alone(matrix, seed, 
                                          shape=(len(cells), matrix.shape[1])))  # fmt: skip
         assert_equal_csr(outputs[0], expected[cells].astype(dtype))
         assert_equal_csr(outputs[1], expected[cells].astype(dtype))
+        if mapping is None:
+            continue
+        # The loader's path: the same rows straight into several outputs (two batches),
+        # each row at its own offset, in an order unrelated to the rows'.
+        lengths = np.diff(indptr)
+        which = rng.integers(0, 2, len(cells))
+        offsets = np.zeros(len(cells), dtype=np.int64)
+        places = []
+        for out in (0, 1):
+            mine = rng.permutation(np.flatnonzero(which == out))
+            offsets[mine] = np.concatenate([[0], np.cumsum(lengths[mine])[:-1]]).astype(np.int64)
+            size = int(lengths[mine].sum())
+            places.append((np.full(size, -1, dtype=np.int32), np.zeros(size, dtype=dtype), mine))
+        gather_tiles_into_many(tiles, groups, local, [p[:2] for p in places], which, offsets,
+                               mapping, n_threads=n_threads)  # fmt: skip
+        for indices, values, mine in places:
+            got_indptr = np.concatenate([[0], np.cumsum(lengths[mine])]).astype(np.int64)
+            got = sp.csr_matrix((values, indices, got_indptr), shape=(len(mine), matrix.shape[1]))
+            assert_equal_csr(got, expected[cells[mine]].astype(dtype))
 
 
 @PROFILE

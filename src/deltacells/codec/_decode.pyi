@@ -9,12 +9,6 @@ class ColumnMap:
     def __init__(self, col_map: NDArray[np.integer], n_genes: int) -> None: ...
 
 def openmp_enabled() -> bool: ...
-def check_frames(
-    blob: NDArray[np.uint8] | bytes,
-    chunks: NDArray[np.int64],
-    where: object,
-    n_threads: int = 1,
-) -> NDArray[np.int64]: ...
 def decode_into(
     blob: NDArray[np.uint8] | bytes,
     chunks: NDArray[np.int64],
@@ -44,6 +38,8 @@ def gather_into(
     n_threads: int,
     names: list[str],
     col_map: NDArray[np.integer] | ColumnMap | None = None,
+    dst_idx: NDArray[np.uintp] | None = None,
+    dst_val: NDArray[np.uintp] | None = None,
 ) -> None: ...
 def decompress_only(
     blob: NDArray[np.uint8] | bytes, chunks: NDArray[np.int64], n_threads: int

@@ -29,14 +29,10 @@ from deltacells.codec._common cimport (
     MAX_COUNT,
     OK,
     E_NOMEM,
-    E_FRAME_HEADER,
-    E_FRAME_SIZE,
-    E_FRAME_LENGTH,
     E_DECOMPRESS,
     E_CELL_RANGE,
     E_ZERO_GAP,
     E_GENE_RANGE,
-    E_EXC_SIZE,
     E_EXC_ORDER,
     E_VEXC_PAYLOAD,
     E_GEXC_PAYLOAD,
@@ -58,13 +54,9 @@ from deltacells.codec._rowsort cimport (
     row_to_mapped_order,
 )
 from deltacells.codec._zstd cimport (
-    ZSTD_CONTENTSIZE_ERROR,
-    ZSTD_CONTENTSIZE_UNKNOWN,
     ZSTD_createDCtx,
     ZSTD_DCtx,
     ZSTD_decompressDCtx,
-    ZSTD_findFrameCompressedSize,
-    ZSTD_getFrameContentSize,
     ZSTD_isError,
 )
 from deltacells.codec.format import FormatError
@@ -191,66 +183,6 @@ cdef struct Chunk:
     int64_t kv
     int64_t kg
     int stream  # non-temporal stores for long runs (off when the output is re-read at once)
-
-
-# ---------------------------------------------------------------------------------------------
-# Frame checks (serial; header reads only, nothing is decompressed)
-
-
-def check_frames(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, object where,
-                 int n_threads=1):
-    """Check every frame's header and length; return the exception counts per chunk.
-
-    Each stream must be exactly one zstd frame that fills its stored length and declares its
-    content size: ``2 * n`` bytes for gaps and values, ``8 * k`` with ``k <= n`` for exception
-    frames. Chunks are checked in parallel on ``n_threads`` (tiles of many small chunks have
-    thousands of frames); the lowest failing chunk is reported whatever the thread count.
-
-    Returns
-    -------
-    numpy.ndarray
-        ``int64`` array of shape ``(n_chunks, 2)``: value and gap exception counts.
-    """
-    cdef Py_ssize_t n_chunks = chunks.shape[0]
-    cdef Py_ssize_t c
-    cdef int f
-    cdef int64_t n, off, length
-    cdef unsigned long long content
-    cdef size_t frame_size
-    counts = np.zeros((n_chunks, 2), dtype=np.int64)
-    cdef int64_t[:, ::1] counts_v = counts
-    status = np.zeros(n_chunks, dtype=np.int32)
-    detail = np.zeros(n_chunks, dtype=np.int64)
-    cdef int32_t[::1] status_v = status
-    cdef int64_t[::1] detail_v = detail
-    cdef const uint8_t* base = &blob[0]
-    with nogil:
-        for c in prange(n_chunks, num_threads=n_threads if n_chunks >= 64 else 1,
-                        schedule="static"):
-            n = chunks[c, NNZ_HI] - chunks[c, NNZ_LO]
-            for f in range(4):
-                off = chunks[c, 4 + 2 * f]
-                length = chunks[c, 5 + 2 * f]
-                if length == 0:
-                    continue  # exception frames may be absent; parse_layout checked the streams
-                content = ZSTD_getFrameContentSize(base + off, <size_t>length)
-                if content == ZSTD_CONTENTSIZE_ERROR or content == ZSTD_CONTENTSIZE_UNKNOWN:
-                    status_v[c] = E_FRAME_HEADER
-                elif f < 2 and content != <unsigned long long>(2 * n):
-                    status_v[c] = E_FRAME_SIZE
-                elif f >= 2 and (content % 8 != 0 or content // 8 > <unsigned long long>n):
-                    status_v[c] = E_EXC_SIZE
-                else:
-                    frame_size = ZSTD_findFrameCompressedSize(base + off, <size_t>length)
-                    if ZSTD_isError(frame_size) or frame_size != <size_t>length:
-                        status_v[c] = E_FRAME_LENGTH
-                    elif f >= 2:
-                        counts_v[c, f - 2] = <int64_t>(content // 8)
-                if status_v[c] != OK:
-                    detail_v[c] = f
-                    break
-    raise_status(status, detail, where)
-    return counts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -500,6 +432,68 @@ cdef int _decode_chunk(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entr
     return OK
 
 
+cdef int _gather_chunk_mapped(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entry,
+                              int64_t kv, int64_t kg, int64_t n_genes, const int64_t* indptr,
+                              const int64_t* rows, const int64_t* order, int64_t k_lo,
+                              int64_t k_hi, const int64_t* out_indptr, int32_t* idx_out,
+                              value_t* val_out, const size_t* dst_idx, const size_t* dst_val,
+                              uint8_t* scratch, Chunk* pg, Chunk* pv, int32_t* row_idx,
+                              value_t* row_val, const int32_t* col_map, SortScratch* sorting,
+                              int64_t* detail) noexcept nogil:
+    """``_decode_chunk``'s selected rows through ``col_map``: both streams' planes loaded at
+    once, each row decoded into the thread's row buffers (in L1), then renumbered, sorted and
+    streamed to its output row, so that only the output leaves the cache.
+
+    Output row ``j`` is ``idx_out + out_indptr[j]`` (``val_out`` likewise), or, with
+    ``dst_idx``, the addresses ``dst_idx[j]`` and ``dst_val[j]``; it holds
+    ``out_indptr[j + 1] - out_indptr[j]`` entries either way."""
+    cdef int64_t a = entry[NNZ_LO], k, j, r, s, e, o, xg, xv, kept
+    cdef int st = _load_exceptions(dctx, blob, entry, kv, kg, n_genes, scratch, pg, detail)
+    if st != OK:
+        return st
+    pv[0] = pg[0]
+    st = _load_planes(dctx, blob, entry, 0, scratch, pg, detail)
+    if st == OK:
+        st = _load_planes(dctx, blob, entry, 1, scratch + 2 * pg.n, pv, detail)
+    if st != OK:
+        return st
+    pg.stream = 0
+    pv.stream = 0
+    for k in range(k_lo, k_hi):
+        j = order[k]
+        r = rows[j]
+        o = out_indptr[j]
+        if r < entry[CELL_LO] or r >= entry[CELL_HI]:
+            detail[0] = r
+            return E_CELL_RANGE
+        s = indptr[r] - a
+        e = indptr[r + 1] - a
+        if (s < 0 or e < s or e > pg.n or out_indptr[j + 1] - o != e - s
+                or e - s > sorting.capacity):
+            detail[0] = r
+            return E_CELL_RANGE
+        xg = _lower_bound(pg.gpos, pg.kg, s)
+        st = _decode_cell(pg, s, e, n_genes, row_idx, &xg)
+        if st == OK:
+            xv = _lower_bound(pv.vpos, pv.kv, s)
+            st = _decode_values(pv, s, e, row_val, &xv)
+        if st != OK:
+            detail[0] = r
+            return st
+        kept = 0
+        if dst_idx != NULL:
+            st = row_to_mapped_order(row_idx, row_val, e - s, col_map, <uint32_t>n_genes,
+                                     sorting, <int32_t*>dst_idx[j], <value_t*>dst_val[j],
+                                     &kept, True)
+        else:
+            st = row_to_mapped_order(row_idx, row_val, e - s, col_map, <uint32_t>n_genes,
+                                     sorting, idx_out + o, val_out + o, &kept, True)
+        if st != OK:
+            detail[0] = r
+            return E_COL_MAP
+    return OK
+
+
 cdef struct TileRef:
     # One tile's parsed structure as the parallel region reads it (addresses of arrays the
     # caller keeps alive): its bytes, chunk table (CHUNK_COLS int64 per chunk), exception
@@ -555,6 +549,7 @@ cdef void _decode_jobs(const TileRef* tiles, const int64_t* job_tiles, int64_t n
                        const int64_t* out_indptr, int32_t* idx_out, value_t* val_out,
                        const size_t* scratches, int n_threads,
                        const size_t* contexts, const int32_t* col_map, int64_t capacity,
+                       const size_t* dst_idx, const size_t* dst_val,
                        int32_t* status, int64_t* detail) noexcept nogil:
     """Run ``_decode_chunk`` for every job in parallel (a job is a chunk or one of its streams).
 
@@ -565,9 +560,11 @@ cdef void _decode_jobs(const TileRef* tiles, const int64_t* job_tiles, int64_t n
     ``split_streams`` (whole chunks, no ``col_map``) job ``g`` is one stream of chunk
     ``g // 2``: its gene indices when ``g`` is even, its values when odd: twice as many,
     smaller jobs leave less idle time at the end. With ``col_map`` (a permutation of the
-    ``n_genes`` columns) each job's output rows are then renumbered and sorted in place by the
-    same thread while they are still in cache (so they are written with regular stores), with
-    sort scratch of ``capacity`` entries.
+    ``n_genes`` columns) and whole chunks, each chunk's cells are then renumbered and sorted
+    in place by the same thread while they are still in cache (so they are written with
+    regular stores), with sort scratch of ``capacity`` entries; selected rows go through
+    ``_gather_chunk_mapped`` instead (to ``dst_idx`` / ``dst_val`` when given), decoded one at
+    a time into the thread's row buffers and streamed to their place.
     """
     cdef Py_ssize_t g
     cdef int64_t c, k, o, length, kept
@@ -578,44 +575,59 @@ cdef void _decode_jobs(const TileRef* tiles, const int64_t* job_tiles, int64_t n
     cdef ZSTD_DCtx* dctx = NULL  # set per thread; initialized so the firstprivate copy is defined
     cdef uint8_t* scratch = NULL
     cdef Chunk* chunk = NULL
+    cdef int32_t* row_idx = NULL
+    cdef value_t* row_val = NULL
     cdef SortScratch sorting
+    # Selected rows through a col_map are decoded a row at a time into L1 row buffers.
+    cdef bint by_row = rows != NULL and col_map != NULL
     with parallel(num_threads=n_threads):
         dctx = <ZSTD_DCtx*>contexts[threadid()]
         scratch = <uint8_t*>scratches[threadid()]
-        chunk = <Chunk*>malloc(sizeof(Chunk))
+        chunk = <Chunk*>malloc(2 * sizeof(Chunk))
         sorting = new_sort_scratch(capacity if col_map != NULL else 0, sizeof(value_t) == 8,
                                    _sort32)
+        row_idx = <int32_t*>malloc((capacity + 1) * sizeof(int32_t)) if by_row else NULL
+        row_val = <value_t*>malloc((capacity + 1) * sizeof(value_t)) if by_row else NULL
         for g in prange(n_jobs, schedule="dynamic"):
             if (dctx == NULL or scratch == NULL or chunk == NULL
-                    or (col_map != NULL and not sorting.ready)):
+                    or (col_map != NULL and not sorting.ready)
+                    or (by_row and (row_idx == NULL or row_val == NULL))):
                 status[g] = E_NOMEM
                 continue
             tile = tiles + (0 if job_tiles == NULL else job_tiles[g])
             indptr = tile.indptr
             c = (g >> 1 if split_streams else g) if rows == NULL else job_chunks[g]
             entry = tile.chunks + c * CHUNK_COLS
+            if by_row:
+                status[g] = _gather_chunk_mapped(
+                    dctx, tile.blob, entry, tile.exc[2 * c], tile.exc[2 * c + 1], n_genes,
+                    indptr, rows, order, job_starts[g], job_starts[g + 1], out_indptr, idx_out,
+                    val_out, dst_idx, dst_val, scratch, chunk, chunk + 1, row_idx, row_val,
+                    col_map, &sorting, &detail[g])
+                continue
             chunk.stream = col_map == NULL
             st = _decode_chunk(
                 dctx, tile.blob, entry, tile.exc[2 * c], tile.exc[2 * c + 1], n_genes, indptr,
                 rows, order, 0 if rows == NULL else job_starts[g],
                 0 if rows == NULL else job_starts[g + 1], out_indptr, idx_out, val_out,
                 scratch, chunk, 1 << (g & 1) if split_streams else 3, &detail[g])
-            if st == OK and col_map != NULL:
-                # Whole chunk: its cells in place; selected rows: the output rows of this job.
-                for k in range(entry[CELL_LO] if rows == NULL else job_starts[g],
-                               entry[CELL_HI] if rows == NULL else job_starts[g + 1]):
-                    o = indptr[k] if rows == NULL else out_indptr[order[k]]
-                    length = (indptr[k + 1] if rows == NULL else out_indptr[order[k] + 1]) - o
+            if st == OK and col_map != NULL:  # a whole chunk: its cells sorted in place
+                for k in range(entry[CELL_LO], entry[CELL_HI]):
+                    o = indptr[k]
+                    length = indptr[k + 1] - o
                     kept = 0  # assigned here so that Cython makes it thread-private
                     st = row_to_mapped_order(
                         idx_out + o, val_out + o, length, col_map, <uint32_t>n_genes, &sorting,
                         idx_out + o, val_out + o, &kept, False)
                     if st != OK:
-                        detail[g] = k if rows == NULL else rows[order[k]]
+                        detail[g] = k
                         st = E_COL_MAP
                         break
             status[g] = st
+        dc_store_fence()  # the streamed rows, before the region ends
         free(chunk)
+        free(row_idx)
+        free(row_val)
         free_sort_scratch(&sorting)
 
 
@@ -654,7 +666,7 @@ def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
                 object col_map=None):
     """Decode every chunk of a tile into ``indices`` and ``values`` (length >= nnz).
 
-    ``exc`` is the output of :func:`check_frames`. The caller owns ``indptr``. With
+    ``exc`` is the output of ``_frames.check_frames``. The caller owns ``indptr``. With
     ``col_map``, a permutation of the ``n_genes`` columns, column ``j`` comes out as
     ``col_map[j]`` and every cell sorted again (as :func:`permute_columns` would do after).
     """
@@ -690,7 +702,7 @@ def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
         with nogil:
             _decode_jobs(<const TileRef*>&refs_v[0, 0], NULL, n_genes, NULL, NULL, NULL, NULL,
                          n_jobs, split_streams, NULL, idx_out, val_out, &scratches_v[0],
-                         n_threads, &contexts_v[0], map_p, capacity, &status_v[0],
+                         n_threads, &contexts_v[0], map_p, capacity, NULL, NULL, &status_v[0],
                          &detail_v[0])
     finally:
         _give_back_dctx(contexts)
@@ -703,18 +715,24 @@ def gather_into(list blobs, list chunk_tables, list indptrs, list excs, int64_t 
                 const int64_t[::1] group_tiles, const int64_t[::1] group_chunks,
                 const int64_t[::1] group_starts, const int64_t[::1] out_indptr,
                 int32_t[::1] indices, value_t[::1] values, int n_threads, list names,
-                object col_map=None):
+                object col_map=None, const size_t[::1] dst_idx=None,
+                const size_t[::1] dst_val=None):
     """Decode the cells ``rows`` (any order, repeats allowed) of one or more tiles into one
     CSR, in one parallel section.
 
     Tile ``t`` is ``blobs[t]``, its chunk table, indptr and exception counts
-    (:func:`check_frames`) at ``t`` in the other lists, named ``names[t]`` in errors. Only
+    (``_frames.check_frames``) at ``t`` in the other lists, named ``names[t]`` in errors. Only
     the chunks listed are decompressed, and only the output rows ``order`` lists are written
     (all or some positions of ``rows``, grouped by chunk): group ``g`` is
     ``order[group_starts[g]:group_starts[g + 1]]``, all in chunk ``group_chunks[g]`` of tile
     ``group_tiles[g]``, and ``rows`` holds positions within their tiles. Output row ``j`` goes
     to ``out_indptr[j]:out_indptr[j + 1]``. With ``col_map`` (a permutation of the columns)
     every written row is renumbered and sorted again.
+
+    With ``dst_idx`` and ``dst_val`` (only with ``col_map``), output row ``j`` goes to the
+    addresses ``dst_idx[j]`` and ``dst_val[j]`` instead (``indices`` and ``values`` are then
+    not written): the caller guarantees that each has room for the row's
+    ``out_indptr[j + 1] - out_indptr[j]`` entries of the output dtypes.
     """
     cdef Py_ssize_t n_groups = group_chunks.shape[0]
     cdef int64_t n_out = out_indptr[out_indptr.shape[0] - 1]
@@ -723,7 +741,7 @@ def gather_into(list blobs, list chunk_tables, list indptrs, list excs, int64_t 
     cdef int64_t capacity = 0, scratch_size = 8
     cdef Py_ssize_t k, g
     cdef int64_t t
-    if indices.shape[0] < n_out or values.shape[0] < n_out:
+    if dst_idx is None and (indices.shape[0] < n_out or values.shape[0] < n_out):
         raise ValueError("output buffers are shorter than the gathered nonzeros")
     if (group_starts.shape[0] != n_groups + 1 or group_tiles.shape[0] != n_groups
             or order.shape[0] > rows.shape[0] or out_indptr.shape[0] != rows.shape[0] + 1
@@ -750,9 +768,18 @@ def gather_into(list blobs, list chunk_tables, list indptrs, list excs, int64_t 
         entry = tile.chunks + group_chunks[g] * CHUNK_COLS
         scratch_size = max(scratch_size, _scratch_bytes(
             entry[NNZ_HI] - entry[NNZ_LO], tile.exc[2 * group_chunks[g]],
-            tile.exc[2 * group_chunks[g] + 1]))
+            tile.exc[2 * group_chunks[g] + 1]) + 2 * (entry[NNZ_HI] - entry[NNZ_LO]))
     if group_starts[n_groups] > order.shape[0]:
         raise ValueError("group_starts run past order")
+    cdef const size_t* dst_idx_p = NULL
+    cdef const size_t* dst_val_p = NULL
+    if dst_idx is not None or dst_val is not None:
+        if (col_map is None or dst_idx is None or dst_val is None
+                or dst_idx.shape[0] != rows.shape[0] or dst_val.shape[0] != rows.shape[0]):
+            raise ValueError("dst_idx and dst_val go together, one per row, with col_map")
+        if rows.shape[0]:
+            dst_idx_p = &dst_idx[0]
+            dst_val_p = &dst_val[0]
     if col_map is not None:
         # Sort scratch for the longest output row: each is checked to be exactly as long as
         # the cell written into it before it is sorted.
@@ -773,7 +800,8 @@ def gather_into(list blobs, list chunk_tables, list indptrs, list excs, int64_t 
             _decode_jobs(<const TileRef*>&refs_v[0, 0], &group_tiles[0], n_genes, &rows[0],
                          &order[0], &group_chunks[0], &group_starts[0], n_groups, False,
                          &out_indptr[0], idx_out, val_out, &scratches_v[0], n_threads,
-                         &contexts_v[0], map_p, capacity, &status_v[0], &detail_v[0])
+                         &contexts_v[0], map_p, capacity, dst_idx_p, dst_val_p, &status_v[0],
+                         &detail_v[0])
     finally:
         _give_back_dctx(contexts)
         _give_back_scratch(scratches)

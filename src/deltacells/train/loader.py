@@ -1,8 +1,8 @@
 """Shuffled minibatches of cells for training: :class:`Loader` and its PyTorch adapter.
 
 An epoch is planned from ``(seed, epoch)`` alone, so every rank and worker derives the same
-plan without talking to the others (:class:`EpochPlan` draws it a buffer at a time, so its
-memory grows with tiles, not cells):
+plan without talking to the others (:class:`~deltacells.train.plan.EpochPlan` draws it a
+buffer at a time, so its memory grows with tiles, not cells):
 
 1. the order of cells: ``"tiles"`` shuffles the tile order, groups it into buffers of
    ``buffer_tiles`` tiles and shuffles cells within each buffer; ``"cells"`` is one random
@@ -13,10 +13,13 @@ memory grows with tiles, not cells):
 3. batches: each part is cut into batches of ``batch_size`` cells, and the batches of a rank
    are split into contiguous runs, one per DataLoader worker.
 
-A background thread builds the next batches while the consumer works: it decodes each tile a
-batch needs once into a small cache of decoded tiles (``"tiles"`` / ``"none"``), or gathers
-only the chunks of the compressed tiles that a batch's cells live in (``"cells"``, where every
-batch touches every tile).
+A background thread builds the next batches while the consumer works. In ``"tiles"`` and
+``"none"`` mode, batches in the source gene order with sorted rows (the default) are decoded
+straight from the compressed tiles: each buffer's chunks once, every cell decoded, renumbered
+and sorted while in cache and streamed into the batch that takes it. Other column choices
+decode each tile a batch needs once into a small cache of decoded tiles and copy rows from
+it. ``"cells"`` gathers only the chunks of the compressed tiles a batch's cells live in
+(every batch touches every tile). The plans themselves are in :mod:`deltacells.train.plan`.
 """
 
 from __future__ import annotations
@@ -35,208 +38,23 @@ import scipy.sparse as sp
 from numpy.typing import DTypeLike
 
 from deltacells.codec import _rows
+from deltacells.codec._decode import ColumnMap
 from deltacells.codec.threads import effective_n_threads
-from deltacells.codec.tile import Tile, _value_dtype, empty_output
+from deltacells.codec.tile import Tile, _value_dtype, empty_output, gather_tiles_into_many
 from deltacells.read.dataset import Dataset, gather_cells, group_by_tile, open_dataset
 from deltacells.read.obscache import ObsCache
 from deltacells.store.manifest import tile_name
+from deltacells.train.plan import (
+    SHUFFLE_MODES,
+    BatchRuns,
+    EpochPlan,
+    plan_epoch,
+    split_batches,
+)
 
 __all__ = ["Batch", "BatchRuns", "EpochPlan", "Loader", "plan_epoch", "split_batches"]
 
-SHUFFLE_MODES = ("tiles", "cells", "none")
 OUTPUTS = ("scipy", "numpy", "torch", "torch_dense")
-
-
-class EpochPlan:
-    """An epoch's order of cells, made one buffer at a time.
-
-    Its memory grows with the number of tiles, not of cells: a buffer's shuffled cells are
-    drawn when a batch first asks for them (from ``(seed, epoch, buffer)``), so an epoch over
-    100M cells is planned in a few MB, as one over 100k. ``shuffle="cells"`` is the exception:
-    it holds one permutation of all cells (8 bytes per cell).
-
-    Seeds: the tile order of epoch ``e`` comes from ``numpy.random.default_rng([seed, e, 0])``
-    and the order of cells within buffer ``k`` from ``default_rng([seed, e, 1, k])``, so every
-    rank and worker derives the same plan without talking to the others.
-    """
-
-    #: Buffers whose shuffled cells are kept (a batch straddles at most a few).
-    KEPT_BUFFERS = 4
-
-    def __init__(self, tile_cells: Sequence[int], *, shuffle: str, buffer_tiles: int, seed: int,
-                 epoch: int) -> None:  # fmt: skip
-        if shuffle not in SHUFFLE_MODES:
-            raise ValueError(f"shuffle must be one of {SHUFFLE_MODES}, not {shuffle!r}")
-        if buffer_tiles < 1:
-            raise ValueError("buffer_tiles must be at least 1")
-        counts = np.asarray(tile_cells, dtype=np.int64)
-        self.shuffle, self.seed, self.epoch = shuffle, int(seed), int(epoch)
-        self.n_tiles = len(counts)
-        self._tile_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self.n_cells = int(self._tile_starts[-1])
-        self._permutation: np.ndarray | None = None
-        if shuffle == "tiles":
-            self.tile_order = np.random.default_rng([self.seed, self.epoch, 0]).permutation(
-                self.n_tiles
-            )
-            self.buffer_tiles = buffer_tiles
-        else:
-            self.tile_order = np.arange(self.n_tiles)
-            self.buffer_tiles = 1
-            if shuffle == "cells":
-                rng = np.random.default_rng([self.seed, self.epoch, 0])
-                self._permutation = rng.permutation(self.n_cells).astype(np.int64)
-        sizes = counts[self.tile_order]
-        per_buffer = (np.add.reduceat(sizes, np.arange(0, self.n_tiles, self.buffer_tiles))
-                      if self.n_tiles else np.zeros(0, dtype=np.int64))  # fmt: skip
-        #: Position in the order where each buffer starts (and one past the last).
-        self.buffer_starts = np.concatenate([[0], np.cumsum(per_buffer)]).astype(np.int64)
-        self._kept: OrderedDict[int, np.ndarray] = OrderedDict()
-
-    def buffer(self, k: int) -> np.ndarray:
-        """The cells of buffer ``k`` in the order the epoch visits them."""
-        cells = self._kept.get(k)
-        if cells is not None:
-            self._kept.move_to_end(k)
-            return cells
-        tiles = self.buffer_tiles_of(k)
-        starts = self._tile_starts
-        ranges = [np.arange(starts[t], starts[t + 1], dtype=np.int64) for t in tiles]
-        cells = np.concatenate(ranges) if ranges else np.zeros(0, dtype=np.int64)
-        if self.shuffle == "tiles":
-            cells = np.random.default_rng([self.seed, self.epoch, 1, k]).permutation(cells)
-        self._kept[k] = cells
-        while len(self._kept) > self.KEPT_BUFFERS:
-            self._kept.popitem(last=False)
-        return cells
-
-    def buffer_tiles_of(self, k: int) -> np.ndarray:
-        """The tiles buffer ``k`` mixes."""
-        return self.tile_order[k * self.buffer_tiles : (k + 1) * self.buffer_tiles]
-
-    def _segments(self, start: int, stop: int) -> Iterator[tuple[int, int]]:
-        """Positions ``start:stop`` as pieces of the order, positions past its end wrapping
-        around to its start (the padding of :func:`split_batches`)."""
-        n = self.n_cells
-        while start < stop and n:
-            real = start % n
-            take = min(stop - start, n - real)
-            yield real, real + take
-            start += take
-
-    def cells(self, start: int, stop: int) -> np.ndarray:
-        """The cells at positions ``start:stop`` of the order (wrapping past its end)."""
-        pieces = []
-        for a, b in self._segments(start, stop):
-            if self._permutation is not None:
-                pieces.append(self._permutation[a:b])
-                continue
-            first = int(np.searchsorted(self.buffer_starts, a, side="right")) - 1
-            last = int(np.searchsorted(self.buffer_starts, b - 1, side="right")) - 1
-            for k in range(first, last + 1):
-                base = int(self.buffer_starts[k])
-                lo, hi = max(a, base) - base, min(b, int(self.buffer_starts[k + 1])) - base
-                pieces.append(self.buffer(k)[lo:hi])
-        if not pieces:
-            return np.zeros(0, dtype=np.int64)
-        return pieces[0].copy() if len(pieces) == 1 else np.concatenate(pieces)
-
-    def tiles_at(self, start: int, stop: int) -> list[int]:
-        """Tiles whose cells may be at positions ``start:stop`` (all tiles with
-        ``shuffle="cells"``), in the order of the buffers."""
-        if self._permutation is not None:
-            return list(range(self.n_tiles))
-        out: list[int] = []
-        for a, b in self._segments(start, stop):
-            first = int(np.searchsorted(self.buffer_starts, a, side="right")) - 1
-            last = int(np.searchsorted(self.buffer_starts, b - 1, side="right")) - 1
-            for k in range(first, last + 1):
-                out.extend(sorted(int(t) for t in self.buffer_tiles_of(k)))
-        return out
-
-
-def plan_epoch(
-    tile_cells: Sequence[int],
-    *,
-    shuffle: str,
-    buffer_tiles: int,
-    seed: int,
-    epoch: int,
-) -> np.ndarray:
-    """The order in which an epoch visits all cells (global positions, each once).
-
-    Deterministic in ``(seed, epoch)``; see the module docstring for the modes and
-    :class:`EpochPlan` for the seeds. This materialises the whole order (8 bytes per cell);
-    the :class:`Loader` draws it a buffer at a time instead.
-    """
-    plan = EpochPlan(tile_cells, shuffle=shuffle, buffer_tiles=buffer_tiles, seed=seed,
-                     epoch=epoch)  # fmt: skip
-    return plan.cells(0, plan.n_cells)
-
-
-def split_batches(
-    order: np.ndarray,
-    batch_size: int,
-    *,
-    rank: int = 0,
-    world_size: int = 1,
-    worker: tuple[int, int] = (0, 1),
-    drop_last: bool = False,
-) -> list[np.ndarray]:
-    """The batches of one rank and worker in an epoch's ``order`` of cells.
-
-    The order is cut into ``world_size`` contiguous, equally long parts (the shorter ones padded
-    by wrapping around to the start of the order, or all cut to the shortest with
-    ``drop_last``), each part into batches of ``batch_size`` (the last one short unless
-    ``drop_last``), and a rank's batches into contiguous runs for ``worker = (id, count)``,
-    the first runs one batch longer when they do not divide.
-    """
-    runs = BatchRuns(_GivenOrder(np.asarray(order)), batch_size, rank=rank,
-                     world_size=world_size, worker=worker, drop_last=drop_last)  # fmt: skip
-    return [runs[i] for i in range(len(runs))]
-
-
-class _GivenOrder:
-    """An order of cells already in memory, read as :class:`BatchRuns` reads a plan."""
-
-    def __init__(self, order: np.ndarray) -> None:
-        self.order, self.n_cells = order, len(order)
-
-    def cells(self, start: int, stop: int) -> np.ndarray:
-        """Positions ``start:stop``, wrapping past the end (the padding of the ranks)."""
-        return self.order[np.arange(start, stop) % self.n_cells]
-
-
-class BatchRuns(Sequence):
-    """One rank's (and worker's) batches of an :class:`EpochPlan`, cut as
-    :func:`split_batches` documents, each drawn from the plan when asked for."""
-
-    def __init__(self, plan: EpochPlan, batch_size: int, *, rank: int = 0, world_size: int = 1,
-                 worker: tuple[int, int] = (0, 1), drop_last: bool = False) -> None:  # fmt: skip
-        n = plan.n_cells
-        length = n // world_size if drop_last else -(-n // world_size)
-        n_batches = length // batch_size if drop_last else -(-length // batch_size)
-        worker_id, n_workers = worker
-        base, extra = divmod(n_batches, n_workers)
-        first = worker_id * base + min(worker_id, extra)
-        self.plan, self.batch_size = plan, batch_size
-        self._part_start, self._part_stop = rank * length, (rank + 1) * length
-        self._first, self._count = first, base + (worker_id < extra)
-
-    def __len__(self) -> int:
-        return self._count
-
-    def bounds(self, i: int) -> tuple[int, int]:
-        """Positions in the (padded) order of batch ``i``."""
-        if not 0 <= i < self._count:
-            raise IndexError(i)
-        start = self._part_start + (self._first + i) * self.batch_size
-        return start, min(start + self.batch_size, self._part_stop)
-
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(self._count))]
-        return self.plan.cells(*self.bounds(i))
 
 
 @dataclass
@@ -295,13 +113,14 @@ class Loader:
         ``"tiles"`` / ``"none"``.
     seed
         Seed of the epoch plans; epoch ``n`` uses ``(seed, n)`` (the exact generators are in
-        :class:`~deltacells.train.loader.EpochPlan`), so every rank and worker derives the
+        :class:`~deltacells.train.plan.EpochPlan`), so every rank and worker derives the
         same plan.
     buffer_tiles
         Tiles whose cells are mixed together in ``"tiles"`` mode (default 2: 8,192 cells with
-        the default tile size, as many as annbatch's default preload). Decoded tiles are dropped as
-        soon as no later batch needs them, so about this many are held in memory (twice as
-        many while a batch straddles two buffers).
+        the default tile size, as many as annbatch's default preload). About one buffer of
+        decoded cells is held in memory (twice as many while a batch straddles two buffers):
+        the batches a buffer feeds, or its decoded tiles, dropped as soon as no later batch
+        needs them.
     drop_last
         Drop the cells that do not fill the ranks evenly and the last incomplete batch;
         otherwise ranks are padded by wrapping around to the start of the epoch's order (a few
@@ -553,7 +372,7 @@ class Loader:
                 for index in range(skip, len(batches)):
                     if stop.is_set():
                         return
-                    item = builder.build(batches[index])
+                    item = builder.build(batches[index], index)
                     builder.release(index)
                     while not stop.is_set():
                         try:
@@ -620,11 +439,97 @@ class _BatchBuilder:
                     self.upcoming.append(t)
             if batches.plan.shuffle == "cells":
                 break  # every batch may need every tile: all of them, in tile order
+        # Source-order batches of the tile-order modes (every gene kept, rows sorted) are
+        # decoded straight into their places from the compressed tiles: a buffer's chunks are
+        # decoded once and every cell lands, renumbered and sorted while in cache, in the
+        # batch that takes it, so no row is copied twice.
+        self.batches = batches
+        sort = loader.output in ("scipy", "torch") and loader.sorted_indices
+        self.direct = (batches.plan.shuffle != "cells" and loader._col_map is not None
+                       and loader._drop_map is None and sort)  # fmt: skip
+        if self.direct:
+            self._plan_direct(skip)
         self.capacity = max(loader.dataset.manifest.tile_nnz, default=0)
         self.spare: list[tuple[np.ndarray, np.ndarray]] = []
         self.next_up = 0
         self.inflight: dict[int, Any] = {}
         self._fetch_ahead()
+
+    def _plan_direct(self, skip: int) -> None:
+        """Which batches each buffer's cells go to: "visits" (a buffer's pieces taken by
+        consecutive batches, decoded together; a buffer is visited again only when the
+        ranks' padding wraps around to it), and the visits each batch waits for."""
+        plan = self.batches.plan
+        self.column_map = ColumnMap(self.loader._col_map, self.loader.dataset.shape[1])
+        self.visits: list[tuple[int, list[tuple[int, int, int, int]]]] = []
+        self.batch_visits: dict[int, list[int]] = {}
+        open_visit: dict[int, int] = {}  # buffer -> its visit still being extended
+        for i in range(skip, len(self.batches)):
+            row0, mine = 0, []
+            for k, lo, hi in plan.buffer_pieces(*self.batches.bounds(i)):
+                v = open_visit.get(k)
+                if v is None or self.visits[v][1][-1][0] < i - 1:
+                    v = open_visit[k] = len(self.visits)
+                    self.visits.append((k, []))
+                self.visits[v][1].append((i, lo, hi, row0))
+                row0 += hi - lo
+                mine.append(v)
+            self.batch_visits[i] = mine
+        self.visited: set[int] = set()
+        self.outputs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.parsed: OrderedDict[int, Tile] = OrderedDict()
+
+    def _parsed_kept(self, t: int) -> Tile:
+        """Tile ``t`` parsed, kept while its buffer's batches are laid out and decoded."""
+        tile = self.parsed.get(t)
+        if tile is None:
+            tile = self.parsed[t] = self._parsed(t)
+            while len(self.parsed) > 3 * self.loader.buffer_tiles + 2:
+                self.parsed.popitem(last=False)
+        return tile
+
+    def _output(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Batch ``i``'s indptr and empty indices and values, sized from the tiles' indptr."""
+        out = self.outputs.get(i)
+        if out is None:
+            touched, groups, local = group_by_tile(self.batches[i], self.loader._limits)
+            lengths = np.empty(len(local), dtype=np.int64)
+            for t, mine in zip(touched, groups, strict=True):
+                lengths[mine] = self._parsed_kept(int(t)).row_lengths(local[mine])
+            indptr = np.zeros(len(local) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=indptr[1:])
+            n = int(indptr[-1])
+            out = self.outputs[i] = (indptr, empty_output(n, np.int32),
+                                     empty_output(n, self.loader.dtype))  # fmt: skip
+        return out
+
+    def _decode_visit(self, v: int) -> None:
+        k, pieces = self.visits[v]
+        cells = self.batches.plan.buffer(k)
+        batch_ids = sorted({p[0] for p in pieces})
+        slot = {j: n for n, j in enumerate(batch_ids)}
+        outputs = [self._output(j) for j in batch_ids]
+        taken = np.concatenate([cells[lo:hi] for _, lo, hi, _ in pieces])
+        which = np.repeat([slot[j] for j, *_ in pieces], [hi - lo for _, lo, hi, _ in pieces])
+        offsets = np.concatenate([outputs[slot[j]][0][row0 : row0 + hi - lo]
+                                  for j, lo, hi, row0 in pieces])  # fmt: skip
+        touched, groups, local = group_by_tile(taken, self.loader._limits)
+        tiles = [self._parsed_kept(int(t)) for t in touched]
+        gather_tiles_into_many(tiles, groups, local, [o[1:] for o in outputs], which, offsets,
+                               self.column_map, n_threads=self.n_threads)  # fmt: skip
+        for t in touched:
+            self.parsed.pop(int(t), None)
+
+    def _build_direct(self, index: int) -> sp.csr_matrix:
+        for v in self.batch_visits[index]:
+            if v not in self.visited:
+                self._decode_visit(v)
+                self.visited.add(v)
+        indptr, indices, values = self.outputs.pop(index)
+        matrix = sp.csr_matrix((values, indices, indptr), shape=(len(indptr) - 1,
+                               self.n_out_cols), copy=False)  # fmt: skip
+        matrix.has_canonical_format = True
+        return matrix
 
     def _fetch_ahead(self) -> None:
         loader = self.loader
@@ -679,8 +584,18 @@ class _BatchBuilder:
             self.compressed.move_to_end(t)
         return tile
 
-    def build(self, cells: np.ndarray) -> Batch:
+    def build(self, cells: np.ndarray, index: int) -> Batch:
         loader = self.loader
+        if self.direct:
+            matrix = self._build_direct(index)
+            totals = (_rows.row_sums(matrix.indptr.astype(np.int64), matrix.data, self.n_threads)
+                      if loader.normalize is not None else None)  # fmt: skip
+            if loader.normalize is not None or loader.log1p:
+                target = 0.0 if loader.normalize is None else float(loader.normalize)
+                _rows.normalize_rows(matrix.indptr.astype(np.int64, copy=False), matrix.data,
+                                     totals, target, loader.log1p, self.n_threads)  # fmt: skip
+            obs = {name: values[cells] for name, values in loader._obs.items()}
+            return Batch(X=_convert(matrix, loader.output), cells=cells, obs=obs)
         touched, groups, local = group_by_tile(cells, loader._limits)
         if loader.shuffle == "cells":
             matrix, totals = self._gather_compressed(touched, groups, local)

@@ -1,0 +1,11 @@
+"""Type stubs for the compiled kernels of _frames.pyx."""
+
+import numpy as np
+from numpy.typing import NDArray
+
+def check_frames(
+    blob: NDArray[np.uint8] | bytes,
+    chunks: NDArray[np.int64],
+    where: object,
+    n_threads: int = 1,
+) -> NDArray[np.int64]: ...
