@@ -28,7 +28,8 @@ from tilekit import (
 
 import deltacells as dc
 from deltacells import FormatError
-from deltacells.codec.tile import gather_tiles_into, gather_tiles_into_many
+from deltacells.codec.scatter import gather_tiles_into_many
+from deltacells.codec.tile import gather_tiles_into
 from deltacells.testing import check_rejects_or_decodes, fuzz_tiles
 
 DATA = Path(__file__).resolve().parent / "data"

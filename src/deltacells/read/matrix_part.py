@@ -10,7 +10,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from deltacells.codec.format import HEADER_SIZE, MAGIC, FormatError
-from deltacells.codec.tile import Tile, empty_output, gather_tiles_into
+from deltacells.codec.tile import Tile, empty_output, gather_tiles_into, stable_order
 from deltacells.read.stored import DatasetPart
 from deltacells.store.integrity import check_checksum_row
 from deltacells.store.manifest import MANIFEST_NAME, tile_name
@@ -141,7 +141,7 @@ def group_by_tile(
     """
     which = np.searchsorted(tile_limits, cells, side="right")
     starts = np.concatenate([[0], tile_limits[:-1]]).astype(np.int64)
-    by_tile = np.argsort(which, kind="stable")
+    by_tile = stable_order(which)
     touched, first = np.unique(which[by_tile], return_index=True)
     return touched, np.split(by_tile, first[1:]), cells - starts[which]
 

@@ -39,8 +39,9 @@ from numpy.typing import DTypeLike
 
 from deltacells.codec import _rows
 from deltacells.codec._decode import ColumnMap
+from deltacells.codec.scatter import gather_tiles_into_many
 from deltacells.codec.threads import effective_n_threads
-from deltacells.codec.tile import Tile, _value_dtype, empty_output, gather_tiles_into_many
+from deltacells.codec.tile import Tile, _value_dtype, empty_output
 from deltacells.read.dataset import Dataset, gather_cells, group_by_tile, open_dataset
 from deltacells.read.obscache import ObsCache
 from deltacells.store.manifest import tile_name
