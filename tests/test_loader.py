@@ -444,7 +444,8 @@ def test_batches_decoded_straight_into_place_equal_scipy(pair, dtype, monkeypatc
 
     monkeypatch.setattr(loader_module, "gather_tiles_into_many", counted)
     seen = 0
-    cases = [(1, 0, 1, 0, 100), (3, 2, 1, 0, 96), (2, 1, 2, 1, 64), (3, 0, 2, 0, 37)]
+    cases = [(1, 0, 1, 0, 100), (3, 2, 1, 0, 96), (2, 1, 2, 1, 64), (3, 0, 2, 0, 37),
+             (1, 0, 1, 0, 300)]  # the last: batches larger than a 256-cell buffer
     for world_size, rank, workers, worker, size in cases:
         loader = dc.Loader(url, batch_size=size, seed=4, rank=rank, world_size=world_size,
                            values_dtype=dtype, buffer_tiles=2)  # fmt: skip
