@@ -7,7 +7,10 @@
 On one input (``liao2020_balf.h5ad`` stacked with shuffled rows to ``--cells`` cells), each
 loader runs one shuffled epoch of ``--batch-size`` batches in its own fresh process (so peak RSS
 is that process's own), in one run; deltacells and annbatch run ``--repeats`` such processes
-(median cells/s, largest peak RSS), the others one. Locally, each deltacells and annbatch
+(median cells/s, largest peak RSS), the others one. The repeated loaders take turns, one
+process of each per round, so that every one of them is timed in the same stretches of time;
+``paired_speed_ratio`` (and ``paired_steady_speed_ratio``) is the median over rounds of each
+round's ratio against annbatch. Locally, each deltacells and annbatch
 process then runs ``--later-epochs`` more epochs, timed apart: ``steady_cells_per_s`` (median
 over processes of each one's median later epoch) is the pace of a training run, without the
 first epoch's start-up (threads, pools and pages made on first use), and the peak RSS covers
@@ -51,6 +54,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -216,6 +220,23 @@ def annbatch_python(explicit: str | None) -> str:
     return python
 
 
+def paired_ratios(mine: list[dict], theirs: list[dict]) -> dict:
+    """Median over rounds of each round's ratio (the two processes of a round ran one after
+    the other), first epoch and later epochs."""
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    first = [a["cells_per_s"] / b["cells_per_s"] for a, b in zip(mine, theirs, strict=True)]
+    out = {"paired_speed_ratio": median(first), "paired_speed_ratio_rounds": first}
+    if all("steady_cells_per_s" in e for e in mine + theirs):
+        later = [a["steady_cells_per_s"] / b["steady_cells_per_s"]
+                 for a, b in zip(mine, theirs, strict=True)]  # fmt: skip
+        out |= {"paired_steady_speed_ratio": median(later),
+                "paired_steady_speed_ratio_rounds": later}  # fmt: skip
+    return out
+
+
 def summarize_floor(floor: dict, annbatch: dict | None) -> dict:
     """Medians of the floor child's rounds, and what they mean against annbatch."""
 
@@ -299,10 +320,26 @@ def main() -> None:
     runs: dict[str, dict] = {}
     floor: dict | None = None
 
-    def record(name: str, python: str, tool: str, path, options: dict, repeats: int) -> None:
+    rounds: dict[str, list[dict]] = {}  # each interleaved loader's processes, in round order
+
+    def record_rounds(loaders: list[tuple[str, str, str, Any, dict]], repeats: int) -> None:
+        # One process of each loader per round, ``repeats`` rounds: every loader is timed in
+        # the same stretches of time, so the machine's drift (up to a third from minute to
+        # minute here) does not land on one of them.
+        for _ in range(repeats):
+            for name, python, tool, path, options in loaders:
+                rounds.setdefault(name, []).append(
+                    run_child(python, tool, str(path), args.batch_size, dict(options)))
+        for name, *_ in loaders:
+            record(name, epochs=rounds[name])
+
+    def record(name: str, python: str = "", tool: str = "", path=None, options=None,
+               repeats: int = 1, epochs: list[dict] | None = None) -> None:  # fmt: skip
         # Median cells/s and largest peak RSS of ``repeats`` epochs, each in a fresh process.
-        epochs = [run_child(python, tool, str(path), args.batch_size, dict(options))
-                  for _ in range(repeats)]  # fmt: skip
+        if epochs is None:
+            epochs = [run_child(python, tool, str(path), args.batch_size, dict(options))
+                      for _ in range(repeats)]  # fmt: skip
+        repeats = len(epochs)
         speeds = sorted(e["cells_per_s"] for e in epochs)
         runs[name] = {"cells": epochs[0]["cells"], "repeats": repeats,
                       "cells_per_s": speeds[len(speeds) // 2], "cells_per_s_all": speeds,
@@ -328,13 +365,16 @@ def main() -> None:
         print("one epoch each:", flush=True)
         n = args.repeats
         more = {"epochs": 1 + args.later_epochs}
-        record("deltacells", me, "deltacells", paths["deltacells"], more, n)
-        record("deltacells (stored gene order)", me, "deltacells", paths["deltacells"],
-               {"column_order": "stored", **more}, n)  # fmt: skip
-        record("deltacells (unsorted indices)", me, "deltacells", paths["deltacells"],
-               {"sorted_indices": False, **more}, n)  # fmt: skip
+        loaders = [
+            ("deltacells", me, "deltacells", paths["deltacells"], more),
+            ("deltacells (stored gene order)", me, "deltacells", paths["deltacells"],
+             {"column_order": "stored", **more}),
+            ("deltacells (unsorted indices)", me, "deltacells", paths["deltacells"],
+             {"sorted_indices": False, **more}),
+        ]  # fmt: skip
         if not args.no_annbatch:
-            record("annbatch (zarrs)", python, "annbatch", str(collection), more, n)
+            loaders.append(("annbatch (zarrs)", python, "annbatch", str(collection), more))
+        record_rounds(loaders, n)
         floor = run_child(me, "floor", str(paths["deltacells"]), args.batch_size,
                           {"rounds": n})  # fmt: skip
         record("anndata backed h5ad", me, "anndata", paths["h5ad"], {}, 1)
@@ -378,6 +418,8 @@ def main() -> None:
             if "steady_cells_per_s" in runs[name] and "steady_cells_per_s" in local_ref:
                 ratios["steady_speed_ratio"] = (runs[name]["steady_cells_per_s"]
                                                 / local_ref["steady_cells_per_s"])  # fmt: skip
+            if name in rounds and "annbatch (zarrs)" in rounds:
+                ratios |= paired_ratios(rounds[name], rounds["annbatch (zarrs)"])
         print(json.dumps(results["vs_annbatch"], indent=1))
     if floor is not None:
         results["sort_floor"] = summarize_floor(floor, runs.get("annbatch (zarrs)"))
