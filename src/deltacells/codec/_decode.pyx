@@ -360,6 +360,25 @@ cdef int _decode_values(const Chunk* p, int64_t s, int64_t e, value_t* out,
     return OK
 
 
+cdef inline int _selected_row(const int64_t* entry, const int64_t* indptr, const int64_t* rows,
+                              const int64_t* order, const int64_t* out_indptr, int64_t k,
+                              int64_t n, int64_t* cell, int64_t* s, int64_t* e,
+                              int64_t* o) noexcept nogil:
+    """Output row ``order[k]`` of a chunk's selected rows: its ``cell``, its entries ``s..e``
+    of the chunk and where it goes (``o``, from ``out_indptr``); E_CELL_RANGE unless the
+    cell lies in the chunk and the output row has room for exactly its ``n``-bounded entries."""
+    cdef int64_t j = order[k], a = entry[NNZ_LO]
+    cell[0] = rows[j]
+    o[0] = out_indptr[j]
+    if cell[0] < entry[CELL_LO] or cell[0] >= entry[CELL_HI]:
+        return E_CELL_RANGE
+    s[0] = indptr[cell[0]] - a
+    e[0] = indptr[cell[0] + 1] - a
+    if s[0] < 0 or e[0] < s[0] or e[0] > n or out_indptr[j + 1] - o[0] != e[0] - s[0]:
+        return E_CELL_RANGE
+    return OK
+
+
 cdef int _decode_chunk(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entry,
                        int64_t kv, int64_t kg, int64_t n_genes, const int64_t* indptr,
                        const int64_t* rows, const int64_t* order, int64_t k_lo, int64_t k_hi,
@@ -373,7 +392,7 @@ cdef int _decode_chunk(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entr
     Otherwise output row ``j = order[k]`` for ``k`` in ``k_lo..k_hi`` is cell ``rows[j]``,
     written at ``out_indptr[j]``. Gaps are decoded first, then values into the same scratch.
     """
-    cdef int64_t a = entry[NNZ_LO], k, j = 0, r, s, e, o, x
+    cdef int64_t a = entry[NNZ_LO], k, r, s, e, o, x
     cdef int which, st
     st = _load_exceptions(dctx, blob, entry, kv, kg, n_genes, scratch, p, detail)
     if st != OK:
@@ -404,18 +423,15 @@ cdef int _decode_chunk(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_t* entr
         while (rows == NULL and r < entry[CELL_HI]) or (rows != NULL and k < k_hi):
             if rows == NULL:
                 o = indptr[r]
+                s = indptr[r] - a
+                e = indptr[r + 1] - a
+                st = OK if 0 <= s <= e <= p.n else E_CELL_RANGE
             else:
-                j = order[k]
-                r = rows[j]
-                o = out_indptr[j]
-                if r < entry[CELL_LO] or r >= entry[CELL_HI]:
-                    detail[0] = r
-                    return E_CELL_RANGE
-            s = indptr[r] - a
-            e = indptr[r + 1] - a
-            if s < 0 or e < s or e > p.n or (rows != NULL and out_indptr[j + 1] - o != e - s):
+                st = _selected_row(entry, indptr, rows, order, out_indptr, k, p.n, &r, &s, &e,
+                                   &o)
+            if st != OK:
                 detail[0] = r
-                return E_CELL_RANGE
+                return st
             if which == 0:
                 if rows != NULL:
                     x = _lower_bound(p.gpos, p.kg, s)
@@ -447,7 +463,7 @@ cdef int _gather_chunk_mapped(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_
     Output row ``j`` is ``idx_out + out_indptr[j]`` (``val_out`` likewise), or, with
     ``dst_idx``, the addresses ``dst_idx[j]`` and ``dst_val[j]``; it holds
     ``out_indptr[j + 1] - out_indptr[j]`` entries either way."""
-    cdef int64_t a = entry[NNZ_LO], k, j, r, s, e, o, xg, xv, kept
+    cdef int64_t k, j, r, s, e, o, xg, xv, kept
     cdef int st = _load_exceptions(dctx, blob, entry, kv, kg, n_genes, scratch, pg, detail)
     if st != OK:
         return st
@@ -461,15 +477,8 @@ cdef int _gather_chunk_mapped(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_
     pv.stream = 0
     for k in range(k_lo, k_hi):
         j = order[k]
-        r = rows[j]
-        o = out_indptr[j]
-        if r < entry[CELL_LO] or r >= entry[CELL_HI]:
-            detail[0] = r
-            return E_CELL_RANGE
-        s = indptr[r] - a
-        e = indptr[r + 1] - a
-        if (s < 0 or e < s or e > pg.n or out_indptr[j + 1] - o != e - s
-                or e - s > sorting.capacity):
+        st = _selected_row(entry, indptr, rows, order, out_indptr, k, pg.n, &r, &s, &e, &o)
+        if st != OK or e - s > sorting.capacity:
             detail[0] = r
             return E_CELL_RANGE
         xg = _lower_bound(pg.gpos, pg.kg, s)

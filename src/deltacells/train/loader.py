@@ -589,19 +589,15 @@ class _BatchBuilder:
         loader = self.loader
         if self.direct:
             matrix = self._build_direct(index)
+            # Every gene is kept on this path: library sizes are the rows' own sums.
             totals = (_rows.row_sums(matrix.indptr.astype(np.int64), matrix.data, self.n_threads)
                       if loader.normalize is not None else None)  # fmt: skip
-            if loader.normalize is not None or loader.log1p:
-                target = 0.0 if loader.normalize is None else float(loader.normalize)
-                _rows.normalize_rows(matrix.indptr.astype(np.int64, copy=False), matrix.data,
-                                     totals, target, loader.log1p, self.n_threads)  # fmt: skip
-            obs = {name: values[cells] for name, values in loader._obs.items()}
-            return Batch(X=_convert(matrix, loader.output), cells=cells, obs=obs)
-        touched, groups, local = group_by_tile(cells, loader._limits)
-        if loader.shuffle == "cells":
-            matrix, totals = self._gather_compressed(touched, groups, local)
         else:
-            matrix, totals = self._take_decoded(touched, groups, local)
+            touched, groups, local = group_by_tile(cells, loader._limits)
+            if loader.shuffle == "cells":
+                matrix, totals = self._gather_compressed(touched, groups, local)
+            else:
+                matrix, totals = self._take_decoded(touched, groups, local)
         if loader.normalize is not None or loader.log1p:
             target = 0.0 if loader.normalize is None else float(loader.normalize)
             _rows.normalize_rows(matrix.indptr.astype(np.int64, copy=False), matrix.data,
