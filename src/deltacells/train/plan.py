@@ -122,11 +122,8 @@ class EpochPlan:
         if self._permutation is not None:
             return list(range(self.n_tiles))
         out: list[int] = []
-        for a, b in self._segments(start, stop):
-            first = int(np.searchsorted(self.buffer_starts, a, side="right")) - 1
-            last = int(np.searchsorted(self.buffer_starts, b - 1, side="right")) - 1
-            for k in range(first, last + 1):
-                out.extend(sorted(int(t) for t in self.buffer_tiles_of(k)))
+        for k, _, _ in self.buffer_pieces(start, stop):
+            out.extend(sorted(int(t) for t in self.buffer_tiles_of(k)))
         return out
 
 
