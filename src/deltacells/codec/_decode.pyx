@@ -464,6 +464,8 @@ cdef int _gather_chunk_mapped(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_
     ``dst_idx``, the addresses ``dst_idx[j]`` and ``dst_val[j]``; it holds
     ``out_indptr[j + 1] - out_indptr[j]`` entries either way."""
     cdef int64_t k, j, r, s, e, o, xg, xv, kept
+    cdef int32_t* out_i
+    cdef value_t* out_v
     cdef int st = _load_exceptions(dctx, blob, entry, kv, kg, n_genes, scratch, pg, detail)
     if st != OK:
         return st
@@ -489,14 +491,15 @@ cdef int _gather_chunk_mapped(ZSTD_DCtx* dctx, const uint8_t* blob, const int64_
         if st != OK:
             detail[0] = r
             return st
-        kept = 0
         if dst_idx != NULL:
-            st = row_to_mapped_order(row_idx, row_val, e - s, col_map, <uint32_t>n_genes,
-                                     sorting, <int32_t*>dst_idx[j], <value_t*>dst_val[j],
-                                     &kept, True)
+            out_i = <int32_t*>dst_idx[j]
+            out_v = <value_t*>dst_val[j]
         else:
-            st = row_to_mapped_order(row_idx, row_val, e - s, col_map, <uint32_t>n_genes,
-                                     sorting, idx_out + o, val_out + o, &kept, True)
+            out_i = idx_out + o
+            out_v = val_out + o
+        kept = 0
+        st = row_to_mapped_order(row_idx, row_val, e - s, col_map, <uint32_t>n_genes, sorting,
+                                 out_i, out_v, &kept, True)
         if st != OK:
             detail[0] = r
             return E_COL_MAP
@@ -777,7 +780,9 @@ def gather_into(list blobs, list chunk_tables, list indptrs, list excs, int64_t 
         entry = tile.chunks + group_chunks[g] * CHUNK_COLS
         scratch_size = max(scratch_size, _scratch_bytes(
             entry[NNZ_HI] - entry[NNZ_LO], tile.exc[2 * group_chunks[g]],
-            tile.exc[2 * group_chunks[g] + 1]) + 2 * (entry[NNZ_HI] - entry[NNZ_LO]))
+            tile.exc[2 * group_chunks[g] + 1])
+            # Through a col_map both streams' planes are held at once.
+            + (2 * (entry[NNZ_HI] - entry[NNZ_LO]) if col_map is not None else 0))
     if group_starts[n_groups] > order.shape[0]:
         raise ValueError("group_starts run past order")
     cdef const size_t* dst_idx_p = NULL

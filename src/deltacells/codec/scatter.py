@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from deltacells.codec.tile import Tile, _check_buffer, _gather
+from deltacells.codec.tile import Tile, _check_buffer, _gather, gathered_indptr
 
 __all__ = ["gather_tiles_into_many"]
 
@@ -52,9 +52,8 @@ def gather_tiles_into_many(
     for indices, values in outputs:
         _check_buffer("indices", indices, np.dtype(np.int32), 0)
         _check_buffer("values", values, value_dtype, 0)
-    lengths = np.empty(len(rows), dtype=np.int64)
-    for tile, mine in zip(tiles, groups, strict=True):
-        lengths[mine] = tile.row_lengths(rows[mine])
+    out_indptr = gathered_indptr(tiles, groups, rows)  # each row's length, from its tile
+    lengths = np.diff(out_indptr)
     if len(rows) and (which_output.min() < 0 or which_output.max() >= len(outputs)):
         raise ValueError("which_output names an output that does not exist")
     room = np.array([min(len(i), len(v)) for i, v in outputs], dtype=np.int64)
@@ -70,7 +69,5 @@ def gather_tiles_into_many(
     val_base = np.array([v.ctypes.data for _, v in outputs], dtype=np.uintp)
     dst_idx = idx_base[which_output] + (offsets * 4).astype(np.uintp)
     dst_val = val_base[which_output] + (offsets * value_dtype.itemsize).astype(np.uintp)
-    out_indptr = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=out_indptr[1:])
     unused = (np.zeros(0, dtype=np.int32), np.zeros(0, dtype=value_dtype))
     _gather(tiles, groups, rows, out_indptr, *unused, n_threads, col_map, dst_idx, dst_val)

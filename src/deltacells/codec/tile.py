@@ -639,6 +639,19 @@ def gather_tiles_into(
         _gather(tiles, groups, rows, out_indptr, indices, values, n_threads, col_map)
 
 
+def gathered_indptr(tiles: Sequence[Tile], groups: Sequence[np.ndarray],
+                    rows: np.ndarray) -> np.ndarray:
+    """The int64 ``indptr`` of a gather's output: row ``j`` holds cell ``rows[j]`` of the tile
+    whose group holds ``j`` (as :func:`gather_tiles_into` takes them), sized from the tiles'
+    own indptr without decoding anything."""
+    lengths = np.empty(len(rows), dtype=np.int64)
+    for tile, mine in zip(tiles, groups, strict=True):
+        lengths[mine] = tile.row_lengths(rows[mine])
+    indptr = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=indptr[1:])
+    return indptr
+
+
 def _gather(tiles, groups, rows, out_indptr, indices, values, n_threads, col_map,
             dst_idx=None, dst_val=None) -> None:  # fmt: skip
     """Plan the chunks of :func:`gather_tiles_into` and run the kernel (``dst_*``: output

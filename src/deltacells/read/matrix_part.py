@@ -10,7 +10,13 @@ import numpy as np
 import scipy.sparse as sp
 
 from deltacells.codec.format import HEADER_SIZE, MAGIC, FormatError
-from deltacells.codec.tile import Tile, empty_output, gather_tiles_into, stable_order
+from deltacells.codec.tile import (
+    Tile,
+    empty_output,
+    gather_tiles_into,
+    gathered_indptr,
+    stable_order,
+)
 from deltacells.read.stored import DatasetPart
 from deltacells.store.integrity import check_checksum_row
 from deltacells.store.manifest import MANIFEST_NAME, tile_name
@@ -158,11 +164,7 @@ def gather_cells(
     """One CSR of the cells ``local`` (positions within their tiles), row ``j`` decoded by the
     tile whose group holds ``j``, straight into its place; only touched chunks are read. With
     ``col_map`` (a column permutation) each row is renumbered and sorted as it is decoded."""
-    lengths = np.empty(len(local), dtype=np.int64)
-    for tile, mine in zip(tiles, groups, strict=True):
-        lengths[mine] = tile.row_lengths(local[mine])
-    indptr = np.zeros(len(local) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=indptr[1:])
+    indptr = gathered_indptr(tiles, groups, local)
     indices = empty_output(int(indptr[-1]), np.int32)
     values = empty_output(int(indptr[-1]), values_dtype)
     gather_tiles_into(tiles, groups, local, indptr, indices, values, n_threads=n_threads,

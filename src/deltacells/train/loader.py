@@ -41,7 +41,7 @@ from deltacells.codec import _rows
 from deltacells.codec._decode import ColumnMap
 from deltacells.codec.scatter import gather_tiles_into_many
 from deltacells.codec.threads import effective_n_threads
-from deltacells.codec.tile import Tile, _value_dtype, empty_output
+from deltacells.codec.tile import Tile, _value_dtype, empty_output, gathered_indptr
 from deltacells.read.dataset import Dataset, gather_cells, group_by_tile, open_dataset
 from deltacells.read.obscache import ObsCache
 from deltacells.store.manifest import tile_name
@@ -494,11 +494,8 @@ class _BatchBuilder:
         out = self.outputs.get(i)
         if out is None:
             touched, groups, local = group_by_tile(self.batches[i], self.loader._limits)
-            lengths = np.empty(len(local), dtype=np.int64)
-            for t, mine in zip(touched, groups, strict=True):
-                lengths[mine] = self._parsed_kept(int(t)).row_lengths(local[mine])
-            indptr = np.zeros(len(local) + 1, dtype=np.int64)
-            np.cumsum(lengths, out=indptr[1:])
+            tiles = [self._parsed_kept(int(t)) for t in touched]
+            indptr = gathered_indptr(tiles, groups, local)
             n = int(indptr[-1])
             out = self.outputs[i] = (indptr, empty_output(n, np.int32),
                                      empty_output(n, self.loader.dtype))  # fmt: skip
