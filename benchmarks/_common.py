@@ -39,7 +39,7 @@ def machine() -> dict:
         "libzstd": _encode.zstd_version(),
         "openmp": _decode.openmp_enabled(),
         "crc": _checksum.crc_backend(),
-        "row_sort": "simd" if _decode._use_simd_row_sort() else "radix",
+        "row_sort": _decode._use_row_sort(),
         "packages": versions,
     }
 

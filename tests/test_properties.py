@@ -73,13 +73,14 @@ def test_round_trip(matrix, n_chunks):
         assert_equal_csr(tile.gather(rows, np.int32, n_threads=2), matrix[rows])
 
 
-@pytest.fixture(scope="module", params=["simd", "radix"])
+@pytest.fixture(scope="module", params=["simd", "bitmap", "radix"])
 def row_sort(request):
-    """Both ways the kernels sort renumbered rows (numpy's quicksort of 32-bit keys, or the
-    radix sort of 64-bit keys), for the tests that compare them against scipy."""
-    before = _decode._use_simd_row_sort(request.param == "simd")
+    """Every way the kernels sort renumbered rows (numpy's quicksort of 32-bit keys, the
+    bitmap of output columns, or the radix sort of 64-bit keys), for the tests that compare
+    them against scipy."""
+    before = _decode._use_row_sort(request.param)
     yield request.param
-    _decode._use_simd_row_sort(before)
+    _decode._use_row_sort(before)
 
 
 @PROFILE
@@ -322,18 +323,23 @@ def test_decimal_names_refuse_negative_positions():
 
 
 def test_row_sort_choice_from_the_environment(monkeypatch):
-    # DELTACELLS_ROW_SORT picks the sort; "auto" asks numpy whether it sorts with AVX-512; a
-    # value that is none of these is named in a warning and "auto" is used.
+    # DELTACELLS_ROW_SORT picks the sort; "auto" asks numpy whether it sorts with AVX-512 (and
+    # takes the bitmap sort where it does not); a value that is none of these is named in a
+    # warning and "auto" is used; the kernels refuse an unknown name.
     from deltacells.codec import rowsort
 
-    for value, expected in (("radix", False), ("simd", True), ("SIMD ", True)):
+    for value, expected in (("radix", "radix"), ("simd", "simd"), ("SIMD ", "simd"),
+                            ("bitmap", "bitmap")):  # fmt: skip
         monkeypatch.setenv(rowsort.ENV_VAR, value)
-        assert rowsort.simd_row_sort_wanted() is expected
+        assert rowsort.row_sort_wanted() == expected
+    auto = "simd" if rowsort.numpy_sorts_with_avx512() else "bitmap"
     monkeypatch.setenv(rowsort.ENV_VAR, "auto")
-    assert rowsort.simd_row_sort_wanted() is rowsort.numpy_sorts_with_avx512()
+    assert rowsort.row_sort_wanted() == auto
     monkeypatch.setenv(rowsort.ENV_VAR, "fastest")
     with pytest.warns(RuntimeWarning, match="DELTACELLS_ROW_SORT='fastest'.*radix"):
-        assert rowsort.simd_row_sort_wanted() is rowsort.numpy_sorts_with_avx512()
+        assert rowsort.row_sort_wanted() == auto
+    with pytest.raises(ValueError, match="'fastest' is not one of simd, bitmap, radix"):
+        _decode._use_row_sort("fastest")
 
 
 @PROFILE

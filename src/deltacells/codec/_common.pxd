@@ -22,10 +22,16 @@ cdef extern from "kernels.h" nogil:
                       int64_t capacity, uint32_t* keys, int64_t* kept,
                       uint32_t* columns) noexcept nogil
     ctypedef int (*dc_sort32_fn)(void* start, Py_ssize_t n, void* unused) noexcept nogil
+    ctypedef struct dc_bitmap:
+        uint64_t* bits
+        void* dense
+        uint32_t* cols
+        uint32_t n_cols
     int dc_row_sort(const int32_t* idx, const uint32_t* val32, const double* val64, int64_t n,
                     const int32_t* col_map, uint32_t n_map, uint64_t* keys, uint64_t* spare,
-                    double* held, int64_t capacity, dc_sort32_fn sort32, int32_t* out_idx,
-                    uint32_t* out32, double* out64, int64_t* kept, int stream) noexcept nogil
+                    double* held, int64_t capacity, dc_sort32_fn sort32, const dc_bitmap* bm,
+                    int32_t* out_idx, uint32_t* out32, double* out64, int64_t* kept,
+                    int stream) noexcept nogil
 
 ctypedef fused value_t:
     int32_t

@@ -61,7 +61,7 @@ from deltacells.codec._zstd cimport (
 )
 from deltacells.codec.format import FormatError
 from deltacells.codec._status import raise_status
-from deltacells.codec.rowsort import simd_row_sort_wanted
+from deltacells.codec.rowsort import ROW_SORTS, row_sort_wanted
 
 
 cdef extern from "numpy/arrayobject.h":
@@ -81,8 +81,15 @@ cdef dc_sort32_fn numpy_sort32(bint wanted) noexcept:
     return <dc_sort32_fn>PyDataType_GetArrFuncs(cnp.PyArray_DescrFromType(cnp.NPY_UINT32)).sort[0]
 
 
-# numpy's SIMD sort for narrow rows, or NULL for the radix sort (see codec/rowsort.py).
-cdef dc_sort32_fn _sort32 = numpy_sort32(simd_row_sort_wanted())
+# The sort for renumbered rows (see codec/rowsort.py): numpy's SIMD sort for narrow rows (or
+# NULL), and whether long rows may be sorted by a bitmap of their columns instead.
+cdef str _row_sort = row_sort_wanted()
+cdef dc_sort32_fn _sort32 = numpy_sort32(_row_sort == "simd")
+cdef bint _bitmap_rows = _row_sort == "bitmap"
+
+cdef enum:
+    # The widest bitmap sort: its scratch is 8 bytes a column per thread (2 MB here).
+    BITMAP_MAX_COLS = 1 << 18
 
 
 cdef dc_sort32_fn row_sort32() noexcept nogil:
@@ -90,14 +97,24 @@ cdef dc_sort32_fn row_sort32() noexcept nogil:
     return _sort32
 
 
-def _use_simd_row_sort(wanted=None):
-    """Sort rows with numpy's quicksort (True) or the radix sort (False) from now on, in
-    every kernel module, or keep the choice (None); tests and benchmarks compare the two.
-    Returns the previous choice."""
-    global _sort32
-    previous = _sort32 != NULL
-    if wanted is not None:
-        _sort32 = numpy_sort32(bool(wanted))
+cdef int64_t row_sort_bitmap_cols(int64_t n_cols) noexcept nogil:
+    """``n_cols`` when rows renumbered into that many columns may take the bitmap sort (the
+    ``bitmap_cols`` of ``new_sort_scratch``), else 0."""
+    return n_cols if _bitmap_rows and 0 < n_cols <= BITMAP_MAX_COLS else 0
+
+
+def _use_row_sort(name=None):
+    """Sort renumbered rows with ``"simd"`` (numpy's quicksort), ``"bitmap"`` or ``"radix"``
+    from now on, in every kernel module, or keep the choice (None); tests and benchmarks
+    compare them. Returns the previous choice."""
+    global _row_sort, _sort32, _bitmap_rows
+    previous = _row_sort
+    if name is not None:
+        if name not in ROW_SORTS:
+            raise ValueError(f"row sort {name!r} is not one of {', '.join(ROW_SORTS)}")
+        _row_sort = name
+        _sort32 = numpy_sort32(name == "simd")
+        _bitmap_rows = name == "bitmap"
     return previous
 
 
@@ -597,7 +614,7 @@ cdef void _decode_jobs(const TileRef* tiles, const int64_t* job_tiles, int64_t n
         scratch = <uint8_t*>scratches[threadid()]
         chunk = <Chunk*>malloc(2 * sizeof(Chunk))
         sorting = new_sort_scratch(capacity if col_map != NULL else 0, sizeof(value_t) == 8,
-                                   _sort32)
+                                   _sort32, row_sort_bitmap_cols(n_genes))
         row_idx = <int32_t*>malloc((capacity + 1) * sizeof(int32_t)) if by_row else NULL
         row_val = <value_t*>malloc((capacity + 1) * sizeof(value_t)) if by_row else NULL
         for g in prange(n_jobs, schedule="dynamic"):

@@ -33,7 +33,7 @@ from deltacells.codec._rowsort cimport (
     new_sort_scratch,
     row_to_mapped_order,
 )
-from deltacells.codec._decode cimport numpy_sort32, row_sort32
+from deltacells.codec._decode cimport numpy_sort32, row_sort32, row_sort_bitmap_cols
 
 
 cdef inline int _row_mapped_unsorted(const int32_t* idx, const value_t* val, int64_t n,
@@ -62,19 +62,20 @@ cdef enum:
 
 
 cdef void _remap_rows(const int64_t* indptr, const int32_t* indices, const value_t* data,
-                      const int32_t* col_map, int64_t n_map, int64_t capacity,
-                      Py_ssize_t n_rows, const int64_t* out_indptr, int32_t* out_indices,
-                      value_t* out_data, int n_threads, int32_t* status,
+                      const int32_t* col_map, int64_t n_map, int64_t n_cols,
+                      int64_t capacity, Py_ssize_t n_rows, const int64_t* out_indptr,
+                      int32_t* out_indices, value_t* out_data, int n_threads, int32_t* status,
                       int64_t* bad_row) noexcept nogil:
-    """``row_to_mapped_order`` over blocks of ``ROWS_PER_BLOCK`` rows in parallel, with
-    per-thread scratch of ``capacity`` entries; block ``b`` stops at its first bad row and
-    records it in ``status[b]`` / ``bad_row[b]``."""
+    """``row_to_mapped_order`` into ``n_cols`` columns over blocks of ``ROWS_PER_BLOCK`` rows
+    in parallel, with per-thread scratch of ``capacity`` entries; block ``b`` stops at its
+    first bad row and records it in ``status[b]`` / ``bad_row[b]``."""
     cdef Py_ssize_t block, n_blocks = (n_rows + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
     cdef int64_t r, kept
     cdef int st
     cdef SortScratch sorting
     with parallel(num_threads=n_threads):
-        sorting = new_sort_scratch(capacity, sizeof(value_t) == 8, row_sort32())
+        sorting = new_sort_scratch(capacity, sizeof(value_t) == 8, row_sort32(),
+                                   row_sort_bitmap_cols(n_cols))
         for block in prange(n_blocks, schedule="dynamic"):
             if not sorting.ready:
                 status[block] = E_NOMEM
@@ -117,7 +118,7 @@ def _run_remap(const int64_t[::1] indptr, const int32_t[::1] indices, const valu
     cdef value_t* val_out = &out_data[0] if out_data.shape[0] else NULL
     with nogil:
         _remap_rows(&indptr[0], &indices[0], &data[0], &col_map_v[0], col_map.shape[0],
-                    capacity, n_rows, &out_indptr[0], idx_out, val_out, n_threads,
+                    n_out_cols, capacity, n_rows, &out_indptr[0], idx_out, val_out, n_threads,
                     &status_v[0], &bad_row_v[0])
     failed = np.flatnonzero(status)
     if failed.size == 0:
@@ -219,7 +220,8 @@ def take_rows_into(const int64_t[::1] indptr, const int32_t[::1] indices,
     if n_pos == 0:
         return
     with nogil, parallel(num_threads=n_threads):
-        sorting = new_sort_scratch(capacity, sizeof(value_t) == 8, row_sort32())
+        sorting = new_sort_scratch(capacity, sizeof(value_t) == 8, row_sort32(),
+                                   row_sort_bitmap_cols(n_cols))
         for k in prange(n_pos, schedule="dynamic", chunksize=64):
             j = positions[k]
             r = rows[j]

@@ -2,10 +2,10 @@
 source gene order) and the row kernels (writer gene order, joins, minibatches)."""
 
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
 
 from deltacells.codec._common cimport (
-    E_CELL_RANGE, E_ZERO_GAP, OK, dc_row_sort, dc_sort32_fn, value_t,
+    E_CELL_RANGE, E_ZERO_GAP, OK, dc_bitmap, dc_row_sort, dc_sort32_fn, value_t,
 )
 
 
@@ -15,20 +15,37 @@ cdef struct SortScratch:
     uint64_t* spare
     double* held  # float64 values wait here (the keys carry their positions); else NULL
     dc_sort32_fn sort32  # numpy's SIMD sort for narrow rows, or NULL (radix sort only)
+    dc_bitmap bitmap  # the bitmap sort's scratch (dc_row_sort_bitmap), when bitmap_cols
+    bint use_bitmap
     int64_t capacity
     bint ready  # every buffer it needs was allocated
 
 
 cdef inline SortScratch new_sort_scratch(int64_t capacity, bint hold_values,
-                                         dc_sort32_fn sort32) noexcept nogil:
-    """Allocate one thread's sort scratch (check ``.ready``; free with ``free_sort_scratch``)."""
+                                         dc_sort32_fn sort32,
+                                         int64_t bitmap_cols) noexcept nogil:
+    """Allocate one thread's sort scratch (check ``.ready``; free with ``free_sort_scratch``).
+
+    ``bitmap_cols`` > 0 (from ``row_sort_bitmap_cols``): rows may also be sorted by the bitmap
+    of that many output columns."""
     cdef SortScratch s
     s.capacity = capacity
     s.sort32 = sort32
     s.keys = <uint64_t*>malloc((capacity + 1) * sizeof(uint64_t))
     s.spare = <uint64_t*>malloc((capacity + 1) * sizeof(uint64_t))
     s.held = <double*>malloc((capacity + 1) * sizeof(double)) if hold_values else NULL
-    s.ready = s.keys != NULL and s.spare != NULL and (s.held != NULL or not hold_values)
+    s.use_bitmap = capacity > 0 and bitmap_cols > 0
+    s.bitmap.n_cols = <uint32_t>bitmap_cols if s.use_bitmap else 0
+    s.bitmap.bits = NULL
+    s.bitmap.dense = NULL
+    s.bitmap.cols = NULL
+    if s.use_bitmap:
+        s.bitmap.bits = <uint64_t*>calloc(bitmap_cols // 64 + 1, sizeof(uint64_t))
+        s.bitmap.dense = malloc(bitmap_cols * (8 if hold_values else 4))
+        s.bitmap.cols = <uint32_t*>malloc((capacity + 8) * sizeof(uint32_t))
+    s.ready = (s.keys != NULL and s.spare != NULL and (s.held != NULL or not hold_values)
+               and (not s.use_bitmap or (s.bitmap.bits != NULL and s.bitmap.dense != NULL
+                                         and s.bitmap.cols != NULL)))
     return s
 
 
@@ -36,6 +53,9 @@ cdef inline void free_sort_scratch(SortScratch* s) noexcept nogil:
     free(s.keys)
     free(s.spare)
     free(s.held)
+    free(s.bitmap.bits)
+    free(s.bitmap.dense)
+    free(s.bitmap.cols)
 
 
 cdef inline int row_to_mapped_order(const int32_t* idx, const value_t* val, int64_t n,
@@ -51,13 +71,14 @@ cdef inline int row_to_mapped_order(const int32_t* idx, const value_t* val, int6
     columns mapped to one (the row may be partly rewritten; callers raise).
     """
     cdef int st
+    cdef const dc_bitmap* bitmap = &s.bitmap if s.use_bitmap else NULL
     if value_t is double:
         st = dc_row_sort(idx, NULL, val, n, col_map, n_map, s.keys, s.spare, s.held,
-                         s.capacity, s.sort32, out_idx, NULL, out_val, kept, stream)
+                         s.capacity, s.sort32, bitmap, out_idx, NULL, out_val, kept, stream)
     else:  # int32 and float32 travel as their 32 bits
         st = dc_row_sort(idx, <const uint32_t*>val, NULL, n, col_map, n_map, s.keys, s.spare,
-                         NULL, s.capacity, s.sort32, out_idx, <uint32_t*>out_val, NULL, kept,
-                         stream)
+                         NULL, s.capacity, s.sort32, bitmap, out_idx, <uint32_t*>out_val, NULL,
+                         kept, stream)
     if st == 1:
         return E_CELL_RANGE
     if st == 2:
