@@ -21,8 +21,10 @@ DATASETS = ("liao2020_balf", "chung2017_smartseq2", "visium_multisample")
 def pytest_collection_modifyitems(config, items):
     """In ``tools/dev.sh test`` (CI), tests marked ``first_stack`` run on the first stack only:
     they check tools run from that environment (the benchmark scripts, which
-    ``tools/dev.sh bench`` runs there), not the library on another stack, and would add
-    minutes to CI twice. ``tools/dev.sh test-newest`` runs them on the second stack too."""
+    ``tools/dev.sh bench`` runs there; the repaired wheel), or deltacells' own byte checks
+    whatever the stack (the tamper sweeps: checksums are compared before anything is parsed),
+    and would add minutes to CI twice. ``tools/dev.sh test-newest`` runs them on the second
+    stack too."""
     if os.environ.get("DELTACELLS_SECOND_STACK") != "1":
         return
     skip = pytest.mark.skip(reason="first stack only in the two-stack run (tools/dev.sh "

@@ -56,6 +56,7 @@ def test_the_dataset_has_every_part(full):
     assert dc.open_dataset(full).unchecked_parts() == []
 
 
+@pytest.mark.first_stack  # ~70 s a stack; see conftest.py
 def test_every_damage_is_refused_or_harmless_and_verify_sees_it(full):
     report = tamper_dataset(full, flips_per_file=1, truncate=0.25, seed=20261204, seconds=150)
     n_files = sum(1 for p in full.rglob("*") if p.is_file())
@@ -66,6 +67,7 @@ def test_every_damage_is_refused_or_harmless_and_verify_sees_it(full):
     assert report.refused > report.damages  # most damage is seen by several paths
 
 
+@pytest.mark.first_stack
 def test_partial_reads_are_checked_without_verify(full):
     """Ranged reads and gene-major reads check exactly the bytes they fetch."""
     rng = np.random.default_rng(7)

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.first_stack]
 
 ROUND_TRIP = """
 import numpy as np, scipy.sparse as sp, deltacells as dc, deltacells.codec._decode as k

@@ -259,9 +259,10 @@ typedef struct {
 
 /* dc_row_sort without comparisons: each kept entry sets its new column's bit and leaves its
    value at that column, then the words from the lowest set bit to the highest are read in
-   order. About 5.5 ns an entry against 8.8 for the radix sort (rows of ~790 entries, 33,539
-   columns, AVX2 Zen 3), but each word scanned costs about as much as an entry, so dc_row_sort
-   takes it only for rows with at least one entry for every two words (n >= n_cols / 128).
+   order. About 6 ns an entry against 9 for the radix sort (rows of ~790 entries, 33,539
+   columns, AVX2 Zen 3), but each word scanned costs about as much as an entry: at half as
+   many entries the two sorts were even, at a quarter the bitmap 1.4x slower. dc_row_sort
+   takes it for rows of at least two entries for every three words (n >= n_cols / 96).
    The same returns as dc_row_sort, all before writing any output, and 3 when a column is >= bm->n_cols (the
    caller takes another path); the bits are left clear whatever it returns. Every entry is
    read before any is written, so out may be the input. The output is written with regular
@@ -329,7 +330,7 @@ static inline int dc_row_sort_bitmap(const int32_t* idx, const uint32_t* val32,
 
 /* One row's columns through col_map (-1 drops), sorted, with their 32-bit values (the
    bits of an int32 or float32) or, with held != NULL, their float64 values. With bm, rows of
-   more than 24 entries and at least one for every two words of the bitmap are sorted by
+   more than 24 entries and at least two for every three words of the bitmap are sorted by
    dc_row_sort_bitmap. With sort32 (see dc_row_sort_narrow) rows of more than 24 entries of
    narrow columns take 32-bit keys sorted by it: 2.3 ns an entry against 3.4 for the radix
    sort below (rows of ~760 entries, AVX-512), the same output. Otherwise each kept
@@ -351,7 +352,7 @@ static inline int dc_row_sort(const int32_t* idx, const uint32_t* val32, const d
                               int64_t capacity, dc_sort32_fn sort32, const dc_bitmap* bm,
                               int32_t* out_idx, uint32_t* out32, double* out64, int64_t* kept,
                               int stream) {
-    if (bm != NULL && n > 24 && (int64_t)(bm->n_cols >> 7) <= n) {
+    if (bm != NULL && n > 24 && (int64_t)(bm->n_cols >> 6) <= n + (n >> 1)) {
         int st = dc_row_sort_bitmap(idx, val32, val64, n, col_map, n_map, bm, capacity, out_idx,
                                     out32, out64, kept);
         if (st != 3) return st;
