@@ -308,8 +308,9 @@ def sort_keys_only(const int64_t[::1] indptr, const int32_t[::1] indices,
 
     Each entry of each row in ``rows`` (in that order, in parallel on ``n_threads``) becomes the
     32-bit key (new column above its position) that the row step sorts, and the keys are
-    sorted by the same sort (numpy's quicksort where the row step runs its radix sort, see
-    codec/rowsort.py); nothing is written out. For benchmarks (``bench_loader``'s floor),
+    sorted by the same sort where the row step uses numpy's quicksort, and by numpy's
+    quicksort where it runs its radix or bitmap sort (see codec/rowsort.py): there this is not
+    the row step's own sort; nothing is written out. For benchmarks (``bench_loader``'s floor),
     rows of up to 65,536 entries and ``col_map`` (int64, no -1) onto fewer than 65,536
     columns. Returns a checksum of the sorted keys, so the work cannot be skipped.
     """
