@@ -31,14 +31,14 @@ is hundreds of times slower there than deltacells).
 
 The source gene order's limit (``sort_floor`` in the JSON): in one more process, ``--repeats``
 rounds of a stored-order epoch (rows copied as decoded), the row step's renumbering and sort
-alone on every row of every tile (``_rows.sort_keys_only``, nothing written), and a default
-epoch. A loader that decodes tiles and copies rows out of them cannot beat the first two
-together (``floor_s``); ``source_vs_floor`` is the default epoch against that sum, and
-``floor_vs_annbatch_steady`` the sum's cells/s against annbatch's later epochs. The default
-decodes straight into its batches (no copy), so it can beat that sum; the limit no exact
-source-order loader on this zstd and this sort can beat is zstd alone on every frame
-(``_decode.decompress_only``, ``zstd_only_s``) plus the sort alone (``zstd_sort_s``;
-``source_vs_zstd_sort`` and ``zstd_sort_vs_annbatch_steady`` likewise).
+alone on every row of every tile (``_rows.sort_rows_only``: the row step's own sort into a
+buffer that stays in cache), and a default epoch. A loader that decodes tiles and copies rows
+out of them cannot beat the first two together (``floor_s``); ``source_vs_floor`` is the
+default epoch against that sum, and ``floor_vs_annbatch_steady`` the sum's cells/s against
+annbatch's later epochs. The default decodes straight into its batches (no copy), so it can
+beat that sum; the limit no exact source-order loader on this zstd and this sort can beat is
+zstd alone on every frame (``_decode.decompress_only``, ``zstd_only_s``) plus the sort alone
+(``zstd_sort_s``; ``source_vs_zstd_sort`` and ``zstd_sort_vs_annbatch_steady`` likewise).
 
 Writes ``benchmarks/results/loader.json`` and ``docs/_static/bench_loader.png``.
 """
@@ -91,7 +91,7 @@ def child_deltacells(path: str, batch_size: int, options: dict) -> dict:
 
 def child_floor(path: str, batch_size: int, options: dict) -> dict:
     """The source order's limits in one process: per round, a stored-order epoch (rows copied
-    as decoded), renumbering and sorting every row alone (``_rows.sort_keys_only``, the row
+    as decoded), renumbering and sorting every row alone (``_rows.sort_rows_only``, the row
     step's own sort on all tiles, rows in random order), zstd alone on every frame, and a
     default (source-order) epoch. The first plus the second bound a loader that copies rows
     out of decoded tiles; zstd plus the sort bound any exact source-order loader.
@@ -110,7 +110,7 @@ def child_floor(path: str, batch_size: int, options: dict) -> dict:
     tiles = []
     for t in range(dataset.manifest.n_tiles):
         m = dataset.tile(t).decode(np.float32)
-        tiles.append((m.indptr.astype(np.int64), m.indices, rng.permutation(m.shape[0])))
+        tiles.append((m.indptr.astype(np.int64), m.indices, m.data, rng.permutation(m.shape[0])))
 
     def epoch(**kw) -> float:
         loader = dc.Loader(path, batch_size=batch_size, seed=0, **kw)
@@ -129,8 +129,8 @@ def child_floor(path: str, batch_size: int, options: dict) -> dict:
 
     def sort_all() -> float:
         t0 = time.perf_counter()
-        for indptr, indices, rows in tiles:
-            _rows.sort_keys_only(indptr, indices, rows, col_map, n_threads)
+        for indptr, indices, data, rows in tiles:
+            _rows.sort_rows_only(indptr, indices, data, rows, col_map, n_threads)
         return time.perf_counter() - t0
 
     epoch(), epoch(column_order="stored")  # threads, pools and pages made once

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from test_writer import small_adata
 
 import deltacells as dc
-from deltacells.codec import _rows
+from deltacells.codec import _decode, _rows
+from deltacells.codec.rowsort import ROW_SORTS
 from deltacells.train.loader import BatchRuns, EpochPlan, plan_epoch
 
 MODES = ("tiles", "cells", "none")
@@ -337,35 +338,44 @@ def test_take_rows_kernel_checks_its_output_rows():
 
 
 
-def test_the_sort_limit_sorts_the_keys_the_row_step_sorts():
-    # bench_loader's floor: the row step's keys (new column above position), sorted; the
-    # checksum (sum of each row's middle key) is numpy's and the same on 1 and 2 threads.
+@pytest.mark.parametrize("name", ROW_SORTS)
+def test_the_sort_limit_runs_the_row_steps_own_sort(name):
+    # bench_loader's floor: every row renumbered and sorted by the sort the row step uses (the
+    # checksum, the sum of each row's middle sorted column, is scipy's and the same on 1 and
+    # 2 threads); two columns sent to one place are refused, as the row step refuses them.
     rng = np.random.default_rng(5)
     lengths = rng.integers(0, 400, 120)
     indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     indices = np.concatenate([np.sort(rng.choice(3_000, n, replace=False))
                               for n in lengths]).astype(np.int32)  # fmt: skip
+    data = rng.random(indices.shape[0]).astype(np.float32)
     col_map = rng.permutation(3_000).astype(np.int64)
     rows = rng.permutation(len(lengths)).astype(np.int64)
     expected = 0
     for r in rows:
-        part = indices[indptr[r] : indptr[r + 1]]
-        positions = np.arange(len(part), dtype=np.uint32)
-        keys = np.sort((col_map[part].astype(np.uint32) << 16) | positions)
-        expected += int(keys[len(keys) // 2]) if len(keys) else 0
-    for n_threads in (1, 2):
-        got = _rows.sort_keys_only(indptr, indices, rows, col_map, n_threads)
-        assert got == expected % 2**32
+        columns = np.sort(col_map[indices[indptr[r] : indptr[r + 1]]])
+        expected += int(columns[len(columns) // 2]) if len(columns) else 0
+    before = _decode._use_row_sort(name)
+    try:
+        for n_threads in (1, 2):
+            got = _rows.sort_rows_only(indptr, indices, data, rows, col_map, n_threads)
+            assert got == expected % 2**32
+        with pytest.raises(ValueError, match="two mapped"):
+            _rows.sort_rows_only(indptr, indices, data, rows, col_map // 2)
+    finally:
+        _decode._use_row_sort(before)
     with pytest.raises(ValueError, match="col_map"):
-        _rows.sort_keys_only(indptr, indices, rows, np.where(col_map == 0, -1, col_map))
+        _rows.sort_rows_only(indptr, indices, data, rows, np.where(col_map == 0, -1, col_map))
     with pytest.raises(ValueError, match="out of range"):
-        _rows.sort_keys_only(indptr, indices, np.array([len(lengths)]), col_map)
+        _rows.sort_rows_only(indptr, indices, data, np.array([len(lengths)]), col_map)
     with pytest.raises(ValueError, match="outside col_map"):
-        _rows.sort_keys_only(indptr, indices, rows, col_map[:2_000])
+        _rows.sort_rows_only(indptr, indices, data, rows, col_map[:2_000])
     falling = indptr.copy()
     falling[1] = indices.shape[0] + 100  # row 0 would run past the end of indices
     with pytest.raises(ValueError, match="outside indices"):
-        _rows.sort_keys_only(falling, indices, np.array([0]), col_map)
+        _rows.sort_rows_only(falling, indices, data, np.array([0]), col_map)
+    with pytest.raises(ValueError, match="shorter"):
+        _rows.sort_rows_only(indptr, indices, data[:-1], rows, col_map)
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.float32, np.float64])

@@ -18,15 +18,14 @@ cdef extern from "kernels.h" nogil:
     int dc_chunk_gaps(const uint8_t* lo, const uint8_t* hi, int64_t n, const int64_t* indptr,
                       int64_t cell_lo, int64_t cell_hi, int64_t a, int64_t n_genes,
                       int32_t* out, int stream) noexcept nogil
-    int dc_row_keys32(const int32_t* idx, int64_t n, const int32_t* col_map, uint32_t n_map,
-                      int64_t capacity, uint32_t* keys, int64_t* kept,
-                      uint32_t* columns) noexcept nogil
     ctypedef int (*dc_sort32_fn)(void* start, Py_ssize_t n, void* unused) noexcept nogil
     ctypedef struct dc_bitmap:
         uint64_t* bits
-        void* dense
+        uint32_t* ranks
         uint32_t* cols
+        void* vals
         uint32_t n_cols
+    int dc_cpu_has_popcnt() noexcept nogil
     int dc_row_sort(const int32_t* idx, const uint32_t* val32, const double* val64, int64_t n,
                     const int32_t* col_map, uint32_t n_map, uint64_t* keys, uint64_t* spare,
                     double* held, int64_t capacity, dc_sort32_fn sort32, const dc_bitmap* bm,

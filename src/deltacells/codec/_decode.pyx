@@ -40,6 +40,7 @@ from deltacells.codec._common cimport (
     E_ZERO_COUNT,
     E_COL_MAP,
     DELTACELLS_OPENMP,
+    dc_cpu_has_popcnt,
     dc_prefix_planes,
     dc_any_zero_planes,
     dc_planes_to_f32,
@@ -86,9 +87,12 @@ cdef dc_sort32_fn numpy_sort32(bint wanted) noexcept:
 cdef str _row_sort = row_sort_wanted()
 cdef dc_sort32_fn _sort32 = numpy_sort32(_row_sort == "simd")
 cdef bint _bitmap_rows = _row_sort == "bitmap"
+# The bitmap sort counts bits with popcnt: without it (x86-64 CPUs before 2008) the radix
+# sort runs instead.
+cdef bint _has_popcnt = dc_cpu_has_popcnt() != 0
 
 cdef enum:
-    # The widest bitmap sort: its scratch is 8 bytes a column per thread (2 MB here).
+    # The widest bitmap sort: its scratch is 12 bytes per 64 columns per thread (48 KB here).
     BITMAP_MAX_COLS = 1 << 18
 
 
@@ -100,7 +104,7 @@ cdef dc_sort32_fn row_sort32() noexcept nogil:
 cdef int64_t row_sort_bitmap_cols(int64_t n_cols) noexcept nogil:
     """``n_cols`` when rows renumbered into that many columns may take the bitmap sort (the
     ``bitmap_cols`` of ``new_sort_scratch``), else 0."""
-    return n_cols if _bitmap_rows and 0 < n_cols <= BITMAP_MAX_COLS else 0
+    return n_cols if _bitmap_rows and _has_popcnt and 0 < n_cols <= BITMAP_MAX_COLS else 0
 
 
 def _use_row_sort(name=None):

@@ -31,9 +31,10 @@ def take_rows_into(
     n_threads: int = 1,
     sort: bool = True,
 ) -> None: ...
-def sort_keys_only(
+def sort_rows_only(
     indptr: NDArray[np.int64],
     indices: NDArray[np.int32],
+    data: NDArray[np.int32] | NDArray[np.float32] | NDArray[np.float64],
     rows: NDArray[np.int64],
     col_map: NDArray[np.int64],
     n_threads: int = 1,

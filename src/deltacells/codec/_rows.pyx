@@ -23,8 +23,6 @@ from deltacells.codec._common cimport (
     E_CELL_RANGE,
     E_ZERO_GAP,
     dc_prefetch,
-    dc_row_keys32,
-    dc_sort32_fn,
     dc_store_fence,
 )
 from deltacells.codec._rowsort cimport (
@@ -33,7 +31,7 @@ from deltacells.codec._rowsort cimport (
     new_sort_scratch,
     row_to_mapped_order,
 )
-from deltacells.codec._decode cimport numpy_sort32, row_sort32, row_sort_bitmap_cols
+from deltacells.codec._decode cimport row_sort32, row_sort_bitmap_cols
 
 
 cdef inline int _row_mapped_unsorted(const int32_t* idx, const value_t* val, int64_t n,
@@ -301,28 +299,28 @@ def row_sums(const int64_t[::1] indptr, const value_t[::1] data, int n_threads=1
     return out
 
 
-def sort_keys_only(const int64_t[::1] indptr, const int32_t[::1] indices,
-                   const int64_t[::1] rows, object col_map, int n_threads=1):
-    """Renumber and sort the given rows' columns and do nothing else: the limit for the
-    source-order row step of :func:`take_rows_into`.
+def sort_rows_only(const int64_t[::1] indptr, const int32_t[::1] indices,
+                   const value_t[::1] data, const int64_t[::1] rows, object col_map,
+                   int n_threads=1):
+    """Renumber and sort the given rows and do nothing else: the limit for the source-order
+    row step of :func:`take_rows_into`.
 
-    Each entry of each row in ``rows`` (in that order, in parallel on ``n_threads``) becomes the
-    32-bit key (new column above its position) that the row step sorts, and the keys are
-    sorted by the same sort where the row step uses numpy's quicksort, and by numpy's
-    quicksort where it runs its radix or bitmap sort (see codec/rowsort.py): there this is not
-    the row step's own sort; nothing is written out. For benchmarks (``bench_loader``'s floor),
-    rows of up to 65,536 entries and ``col_map`` (int64, no -1) onto fewer than 65,536
-    columns. Returns a checksum of the sorted keys, so the work cannot be skipped.
+    Each row in ``rows`` (in that order, in parallel on ``n_threads``) goes through the row
+    step's own renumbering and sort (``row_to_mapped_order``, whichever of codec/rowsort.py's
+    sorts is in use) into a per-thread buffer that stays in cache, so that only the placing of
+    rows into fresh minibatch memory is left out. For benchmarks (``bench_loader``'s floor);
+    ``col_map`` is int64 and drops nothing (no -1). Returns the sum of each row's middle
+    sorted column (mod 2^32), so the work cannot be skipped.
     """
     cdef Py_ssize_t n_in = indptr.shape[0] - 1, n_rows = rows.shape[0], k
-    cdef int64_t r, n, kept, longest = 0
-    cdef uint32_t total = 0, columns
-    cdef uint32_t* keys = NULL
-    # The row step's sort, or numpy's quicksort where the row step uses its radix sort.
-    cdef dc_sort32_fn sort32 = row_sort32() if row_sort32() != NULL else numpy_sort32(True)
+    cdef int64_t r, n, kept, longest = 0, n_cols
+    cdef uint32_t total = 0
+    cdef int32_t* out_idx = NULL
+    cdef value_t* out_val = NULL
     map_v = np.ascontiguousarray(col_map, dtype=np.int64)
-    if map_v.ndim != 1 or map_v.shape[0] == 0 or map_v.min() < 0 or map_v.max() >= 65536:
-        raise ValueError("col_map must map onto 0..65535 without dropping columns")
+    if map_v.ndim != 1 or map_v.shape[0] == 0 or map_v.min() < 0 or map_v.max() >= 2**31:
+        raise ValueError("col_map must map onto columns >= 0 without dropping any")
+    n_cols = int(map_v.max()) + 1
     cdef const int32_t[::1] cmap = map_v.astype(np.int32)
     for k in range(n_rows):
         if rows[k] < 0 or rows[k] >= n_in:
@@ -331,36 +329,39 @@ def sort_keys_only(const int64_t[::1] indptr, const int32_t[::1] indices,
         if indptr[r] < 0 or indptr[r + 1] < indptr[r] or indptr[r + 1] > indices.shape[0]:
             raise ValueError(f"row {r} lies outside indices (indptr must rise within it)")
         longest = max(longest, indptr[r + 1] - indptr[r])
-    if longest > 65536:
-        raise ValueError("a row is longer than 65,536 entries")
+    if data.shape[0] < indices.shape[0]:
+        raise ValueError("data is shorter than indices")
     status = np.zeros(max(n_rows, 1), dtype=np.int32)
     cdef int32_t[::1] status_v = status
-    cdef const int32_t* idx = &indices[0] if indices.shape[0] else NULL
+    cdef SortScratch sorting
+    if n_rows == 0:
+        return 0
     with nogil, parallel(num_threads=n_threads):
-        keys = <uint32_t*>malloc((longest + 1) * sizeof(uint32_t))
+        sorting = new_sort_scratch(longest, sizeof(value_t) == 8, row_sort32(),
+                                   row_sort_bitmap_cols(n_cols))
+        out_idx = <int32_t*>malloc((longest + 1) * sizeof(int32_t))
+        out_val = <value_t*>malloc((longest + 1) * sizeof(value_t))
         for k in prange(n_rows, schedule="dynamic", chunksize=64):
-            if keys == NULL:
+            if not sorting.ready or out_idx == NULL or out_val == NULL:
                 status_v[k] = E_NOMEM
                 continue
             r = rows[k]
             n = indptr[r + 1] - indptr[r]
             kept = 0  # assigned here so that Cython makes it thread-private
-            # The row step's own keys (dc_row_sort's narrow path); with room for every entry,
-            # the only failure is a column outside col_map.
-            if dc_row_keys32(idx + indptr[r], n, &cmap[0], <uint32_t>cmap.shape[0], longest,
-                             keys, &kept, &columns) != 0:
-                status_v[k] = E_CELL_RANGE
-                continue
-            if kept > 1:
-                sort32(keys, kept, NULL)
-            if kept > 0:
-                total += keys[kept // 2]
-        free(keys)
+            status_v[k] = row_to_mapped_order(
+                &indices[indptr[r]], &data[indptr[r]], n, &cmap[0], <uint32_t>cmap.shape[0],
+                &sorting, out_idx, out_val, &kept, False)
+            if status_v[k] == OK and kept > 0:
+                total += <uint32_t>out_idx[kept // 2]
+        free(out_idx)
+        free(out_val)
+        free_sort_scratch(&sorting)
     failed = np.flatnonzero(status)
     if failed.size:
         if status[failed[0]] == E_NOMEM:
-            raise MemoryError("no memory for the sort keys")
-        raise ValueError(f"row {rows[failed[0]]}: a column outside col_map")
+            raise MemoryError("no memory for the sort scratch")
+        raise ValueError(f"row {rows[failed[0]]}: a column outside col_map, or two mapped "
+                         "to one place")
     return int(total)
 
 

@@ -37,15 +37,18 @@ cdef inline SortScratch new_sort_scratch(int64_t capacity, bint hold_values,
     s.use_bitmap = capacity > 0 and bitmap_cols > 0
     s.bitmap.n_cols = <uint32_t>bitmap_cols if s.use_bitmap else 0
     s.bitmap.bits = NULL
-    s.bitmap.dense = NULL
+    s.bitmap.ranks = NULL
     s.bitmap.cols = NULL
+    s.bitmap.vals = NULL
     if s.use_bitmap:
         s.bitmap.bits = <uint64_t*>calloc(bitmap_cols // 64 + 1, sizeof(uint64_t))
-        s.bitmap.dense = malloc(bitmap_cols * (8 if hold_values else 4))
-        s.bitmap.cols = <uint32_t*>malloc((capacity + 8) * sizeof(uint32_t))
+        s.bitmap.ranks = <uint32_t*>malloc((bitmap_cols // 64 + 1) * sizeof(uint32_t))
+        s.bitmap.cols = <uint32_t*>malloc((capacity + 1) * sizeof(uint32_t))
+        s.bitmap.vals = malloc((capacity + 1) * (8 if hold_values else 4))
     s.ready = (s.keys != NULL and s.spare != NULL and (s.held != NULL or not hold_values)
-               and (not s.use_bitmap or (s.bitmap.bits != NULL and s.bitmap.dense != NULL
-                                         and s.bitmap.cols != NULL)))
+               and (not s.use_bitmap or (s.bitmap.bits != NULL and s.bitmap.ranks != NULL
+                                         and s.bitmap.cols != NULL
+                                         and s.bitmap.vals != NULL)))
     return s
 
 
@@ -54,8 +57,9 @@ cdef inline void free_sort_scratch(SortScratch* s) noexcept nogil:
     free(s.spare)
     free(s.held)
     free(s.bitmap.bits)
-    free(s.bitmap.dense)
+    free(s.bitmap.ranks)
     free(s.bitmap.cols)
+    free(s.bitmap.vals)
 
 
 cdef inline int row_to_mapped_order(const int32_t* idx, const value_t* val, int64_t n,
