@@ -322,10 +322,9 @@ static int dc_row_sort_bitmap(const int32_t* idx, const uint32_t* val32, const d
         lo = w < lo ? w : lo;
         hi = w > hi ? w : hi;
     }
-    if (twice) st = 2;
-    if (st != 0) {
-        if (lo <= hi) memset(bits + lo, 0, (size_t)(hi - lo + 1) * sizeof(uint64_t));
-        return st;
+    if (twice) {  /* then o >= 2, so lo <= hi */
+        memset(bits + lo, 0, (size_t)(hi - lo + 1) * sizeof(uint64_t));
+        return 2;
     }
     *kept = o;
     if (o == 0) return 0;
