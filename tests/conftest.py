@@ -34,6 +34,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module", params=["simd", "bitmap", "radix"])
+def row_sort(request):
+    """Every way the kernels sort renumbered rows (numpy's quicksort of 32-bit keys, the
+    bitmap of output columns, or the radix sort of 64-bit keys), for the tests that compare
+    them."""
+    from deltacells.codec import _decode
+
+    before = _decode._use_row_sort(request.param)
+    yield request.param
+    _decode._use_row_sort(before)
+
+
 def spatial_counts(n_cells: int, n_genes: int, *, extent: float, max_count: int, seed: int,
                    prefix: str = "c") -> ad.AnnData:  # fmt: skip
     """Random int32 counts (30% nonzero, 1 to ``max_count - 1``) of cells named

@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 from test_writer import small_adata
 
 import deltacells as dc
-from deltacells.codec import _decode, _rows
-from deltacells.codec.rowsort import ROW_SORTS
+from deltacells.codec import _rows
 from deltacells.train.loader import BatchRuns, EpochPlan, plan_epoch
 
 MODES = ("tiles", "cells", "none")
@@ -338,8 +337,7 @@ def test_take_rows_kernel_checks_its_output_rows():
 
 
 
-@pytest.mark.parametrize("name", ROW_SORTS)
-def test_the_sort_limit_runs_the_row_steps_own_sort(name):
+def test_the_sort_limit_runs_the_row_steps_own_sort(row_sort):
     # bench_loader's floor: every row renumbered and sorted by the sort the row step uses (the
     # checksum, the sum of each row's middle sorted column, is scipy's and the same on 1 and
     # 2 threads); two columns sent to one place are refused, as the row step refuses them.
@@ -355,15 +353,11 @@ def test_the_sort_limit_runs_the_row_steps_own_sort(name):
     for r in rows:
         columns = np.sort(col_map[indices[indptr[r] : indptr[r + 1]]])
         expected += int(columns[len(columns) // 2]) if len(columns) else 0
-    before = _decode._use_row_sort(name)
-    try:
-        for n_threads in (1, 2):
-            got = _rows.sort_rows_only(indptr, indices, data, rows, col_map, n_threads)
-            assert got == expected % 2**32
-        with pytest.raises(ValueError, match="two mapped"):
-            _rows.sort_rows_only(indptr, indices, data, rows, col_map // 2)
-    finally:
-        _decode._use_row_sort(before)
+    for n_threads in (1, 2):
+        got = _rows.sort_rows_only(indptr, indices, data, rows, col_map, n_threads)
+        assert got == expected % 2**32
+    with pytest.raises(ValueError, match="two mapped"):
+        _rows.sort_rows_only(indptr, indices, data, rows, col_map // 2)
     with pytest.raises(ValueError, match="col_map"):
         _rows.sort_rows_only(indptr, indices, data, rows, np.where(col_map == 0, -1, col_map))
     with pytest.raises(ValueError, match="out of range"):

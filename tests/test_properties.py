@@ -73,16 +73,6 @@ def test_round_trip(matrix, n_chunks):
         assert_equal_csr(tile.gather(rows, np.int32, n_threads=2), matrix[rows])
 
 
-@pytest.fixture(scope="module", params=["simd", "bitmap", "radix"])
-def row_sort(request):
-    """Every way the kernels sort renumbered rows (numpy's quicksort of 32-bit keys, the
-    bitmap of output columns, or the radix sort of 64-bit keys), for the tests that compare
-    them against scipy."""
-    before = _decode._use_row_sort(request.param)
-    yield request.param
-    _decode._use_row_sort(before)
-
-
 @PROFILE
 @given(matrix=count_matrices(), seed=st.integers(0, 2**32 - 1))
 def test_remap_columns_with_either_row_sort(row_sort, matrix, seed):
