@@ -16,6 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import scipy.sparse as sp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_writer import small_adata
 
 import deltacells as dc
@@ -375,3 +377,95 @@ def test_obs_names_that_differ_after_a_nul_byte_verify(tmp_path):
     dc.write_deltacells(adata, tmp_path / "d", progress=False)
     dc.open_dataset(tmp_path / "d").verify()
     assert list(dc.read_deltacells(tmp_path / "d", cache_dir=tmp_path / "c").obs_names) == names
+
+
+# --- the manifest's per-tile lists, checked at once (a 100M-cell manifest lists 24,425 tiles) ---
+
+
+def _per_tile_reference(cells, nnz, stored, tile_size, n_genes, version):
+    """The checks one tile at a time, in the reader's order (every tile's cells, then each
+    tile's nonzeros, bytes and decoded size): what the vectorised check must raise."""
+    from deltacells.store import manifest as mf
+
+    for i in range(len(cells)):
+        mf._check_tile_cells(i, cells, tile_size, "m")
+    for i in range(len(cells)):
+        mf._check_tile_sizes(i, cells, nnz, stored, n_genes, version, "m")
+
+
+def _outcome(check, *args):
+    try:
+        check(*args)
+    except ValueError as err:  # FormatError and LimitError
+        return type(err).__name__, str(err)
+    return None
+
+
+_VALUES = st.one_of(st.integers(0, 300), st.integers(0, 2**62), st.sampled_from(
+    [0, 1, 63, 64, 65, 2**30, 2**30 + 1, 2**40, 2**40 + 1, 2**53 + 1, 2**62]))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(data=st.data(), n_tiles=st.integers(1, 12), tile_size=st.sampled_from([1, 64, 2**40]),
+       n_genes=st.sampled_from([1, 120, 2**31]), version=st.sampled_from([1, 2]))
+def test_the_tile_lists_are_checked_as_one_tile_at_a_time(data, n_tiles, tile_size, n_genes,
+                                                          version):  # fmt: skip
+    """The vectorised check of the manifest's tile lists raises exactly what the per-tile
+    checks raise, first bad tile first, for valid lists and for hostile values (near the
+    limits, past 2^40 where it hands the tile to the exact check, up to 2^62)."""
+    from deltacells.store.manifest import _check_tiles
+
+    full = st.one_of(st.just(tile_size), _VALUES)
+    cells = data.draw(st.lists(full, min_size=n_tiles, max_size=n_tiles))
+    nnz = [data.draw(st.one_of(st.integers(0, 20 * c + 1), _VALUES)) for c in cells]
+    stored = [data.draw(st.one_of(st.integers(200, 2 * 2**20), _VALUES)) for _ in cells]
+    args = (cells, nnz, stored, tile_size, n_genes, version)
+    assert _outcome(_check_tiles, *args, "m") == _outcome(_per_tile_reference, *args)
+
+
+def test_a_bad_tile_deep_in_a_long_manifest_is_named(tmp_path):
+    """Each per-tile rule still fires for tile 300 of 1,000, and the first of two bad tiles is
+    the one named."""
+    from deltacells.store.manifest import _check_tiles
+
+    cells, nnz, stored = [64] * 1000, [500] * 1000, [4000] * 1000
+    cases = [
+        ("cells", 63, r"tile 300 holds 63 cells"),
+        ("nnz", 64 * 120 + 1, r"tile 300 claims 7681 nonzeros"),
+        ("stored", 100, r"tile 300 claims 100 bytes, too few for 64 cells"),
+        ("nnz_limit", 2**25, r"tile 300: 33554432 nonzeros would decode"),
+    ]
+    for field, value, match in cases:
+        lists = {"cells": list(cells), "nnz": list(nnz), "stored": list(stored)}
+        key = "nnz" if field == "nnz_limit" else field
+        lists[key][300] = lists[key][700] = value
+        n_genes = 2**31 if field == "nnz_limit" else 120
+        with pytest.raises(ValueError, match=match):
+            _check_tiles(lists["cells"], lists["nnz"], lists["stored"], 64, n_genes, 2, "m")
+    _check_tiles(cells, nnz, stored, 64, 120, 2, "m")  # the untouched lists pass
+
+
+@pytest.mark.parametrize("value", [True, 1.0, "1", None, -1, 2**62 + 1])
+def test_a_tile_list_holding_a_non_integer_is_refused(dataset_dir, value):
+    m = load_manifest(dataset_dir)
+    m["tile_nnz"][-1] = value
+    save_manifest(dataset_dir, m)
+    with pytest.raises(dc.FormatError, match=r"'tile_nnz' must be a list of integers"):
+        dc.open_dataset(dataset_dir)
+
+
+@pytest.mark.parametrize("lists", [
+    # The last tile empty, every other one full.
+    ([64, 64, 0], [10, 10, 0], [4000] * 3, 64, 120),
+    # 2^61 nonzeros in 2^30 cells of 2^31 genes: possible, but 12 bytes each overflow int64.
+    ([2**30], [2**61], [2**34], 2**40, 2**31),
+    # Past 2^53 bytes: float64 rounds the decoded-size budget.
+    ([64], [7680], [2**53 + 1], 64, 120),
+], ids=["empty last tile", "int64 overflow", "past 2^53 bytes"])  # fmt: skip
+def test_the_tile_lists_edge_cases_match_the_per_tile_checks(lists):
+    from deltacells.store.manifest import _check_tiles
+
+    cells, nnz, stored, tile_size, n_genes = lists
+    expected = _outcome(_per_tile_reference, cells, nnz, stored, tile_size, n_genes, 2)
+    assert _outcome(_check_tiles, cells, nnz, stored, tile_size, n_genes, 2, "m") == expected
+    assert expected is not None or stored[0] == 2**53 + 1

@@ -233,6 +233,14 @@ def chunk_sums_record(file: str, rows: list[np.ndarray], headers: list[bytes]) -
     return {"file": file, "slots": slots, "row_crc32": crcs}, table.tobytes()
 
 
+def ints_within(values: list, low: int, high: int) -> bool:
+    """Whether every entry of ``values`` is a JSON integer (a Python ``int``, not a bool) in
+    ``low .. high``. The type test and the bounds run in C (``map(type)``, ``min``, ``max``):
+    a 100M-cell manifest lists 24,425 tiles in each of its lists."""
+    return set(map(type, values)) <= {int} and (not values or (low <= min(values)
+                                                               and max(values) <= high))
+
+
 class ChunkSums:
     """The chunk checksums of a set of tiles (``chunk_sums`` record), read a row at a time.
 
@@ -258,8 +266,7 @@ class ChunkSums:
                               f"{list(allowed_files)}")  # fmt: skip
         if not isinstance(slots, int) or isinstance(slots, bool) or not 0 <= slots <= 2**31:
             raise FormatError(f"{where}: '{CHUNK_SUMS_KEY}' slots must be 0..2^31")
-        if not (isinstance(crcs, list) and len(crcs) == n_rows and all(
-                isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 2**32 for c in crcs)):
+        if not (isinstance(crcs, list) and len(crcs) == n_rows and ints_within(crcs, 0, 2**32 - 1)):
             raise FormatError(f"{where}: '{CHUNK_SUMS_KEY}' row_crc32 must list {n_rows} "
                               "32-bit values")  # fmt: skip
         self.file, self.slots, self.row_crc32 = file, slots, crcs

@@ -21,6 +21,7 @@ from deltacells.codec.format import (
     FormatError,
     check_decoded_size,
     chunk_entry_size,
+    get_limits,
 )
 from deltacells.store.integrity import (
     CHUNK_SUMS_KEY,
@@ -29,6 +30,7 @@ from deltacells.store.integrity import (
     ChunkSums,
     FileTable,
     check_seal,
+    ints_within,
     sealed_json,
 )
 
@@ -226,13 +228,64 @@ def obs_fingerprint(schema_text: str, tile_cells: list[int], shard_sha256: list[
 
 def _int_list(obj: dict, key: str, where: str, length: int | None = None) -> list[int]:
     value = obj.get(key)
-    if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_JSON_INT for v in value
-    ):
+    if not isinstance(value, list) or not ints_within(value, 0, MAX_JSON_INT):
         raise FormatError(f"{where}: '{key}' must be a list of integers in 0..2^62")
     if length is not None and len(value) != length:
         raise FormatError(f"{where}: '{key}' has {len(value)} entries, expected {length}")
     return value
+
+
+def _check_tiles(tile_cells: list[int], tile_nnz: list[int], tile_bytes: list[int],
+                 tile_size: int, n_genes: int, version: int, where: str) -> None:
+    """Each tile's cells, nonzeros and bytes are possible for its place and within the
+    decoded-size limit; raises for the first tile that is not, as the per-tile checks
+    (:func:`_check_tile_cells`, :func:`_check_tile_sizes`) do.
+
+    numpy finds the tiles to look at (all of them pass in a valid manifest of 100M cells);
+    the per-tile checks then run on those alone. Values past 2^40 always go to the per-tile
+    checks (cells past 2^30: times up to 2^31 genes), so that numpy's int64 and float64
+    arithmetic is exact wherever it decides."""
+    cells = np.asarray(tile_cells, dtype=np.int64)
+    if (cells[:-1] != tile_size).any() or (cells < 1).any() or (cells > tile_size).any():
+        for i in range(len(tile_cells)):
+            _check_tile_cells(i, tile_cells, tile_size, where)
+    nnz = np.asarray(tile_nnz, dtype=np.int64)
+    stored = np.asarray(tile_bytes, dtype=np.int64)
+    exact_limit = 2**40
+    large = (nnz > exact_limit) | (stored > exact_limit) | (cells > 2**30)
+    fixed = HEADER_SIZE + chunk_entry_size(version)
+    need = 8 * (cells + 1) + 12 * nnz
+    limits = get_limits()
+    budget = np.maximum(float(limits.decoded_floor), limits.decoded_ratio * stored)
+    suspect = large | (nnz > cells * n_genes) | (stored < fixed + 8 * (cells + 1))
+    suspect |= need > budget
+    for i in np.flatnonzero(suspect).tolist():
+        _check_tile_sizes(i, tile_cells, tile_nnz, tile_bytes, n_genes, version, where)
+
+
+def _check_tile_cells(i: int, tile_cells: list[int], tile_size: int, where: str) -> None:
+    """Every tile but the last holds ``tile_size`` cells, the last 1..tile_size."""
+    cells, expected_full = tile_cells[i], i < len(tile_cells) - 1
+    if (expected_full and cells != tile_size) or not 1 <= cells <= tile_size:
+        raise FormatError(
+            f"{where}: tile {i} holds {cells} cells; every tile but the last holds "
+            f"tile_size={tile_size}, the last 1..{tile_size}"
+        )
+
+
+def _check_tile_sizes(i: int, tile_cells: list[int], tile_nnz: list[int],
+                      tile_bytes: list[int], n_genes: int, version: int, where: str) -> None:
+    """Tile ``i``'s nonzeros fit its cells, its bytes hold at least its header, one chunk
+    entry and its indptr, and it decodes within the limits."""
+    if tile_nnz[i] < 0 or tile_nnz[i] > tile_cells[i] * n_genes:
+        raise FormatError(f"{where}: tile {i} claims {tile_nnz[i]} nonzeros")
+    smallest = HEADER_SIZE + chunk_entry_size(version) + 8 * (tile_cells[i] + 1)
+    if tile_bytes[i] < smallest:
+        raise FormatError(
+            f"{where}: tile {i} claims {tile_bytes[i]} bytes, too few for "
+            f"{tile_cells[i]} cells (at least {smallest})"
+        )
+    check_decoded_size(tile_cells[i], tile_nnz[i], tile_bytes[i], f"{where}: tile {i}")
 
 
 def _int(obj: dict, key: str, where: str, minimum: int = 0, maximum: int = MAX_JSON_INT) -> int:
@@ -390,28 +443,11 @@ class Manifest:
             raise FormatError(
                 f"{where}: tile_cells add up to {sum(tile_cells)}, n_cells is {n_cells}"
             )
-        for i, cells in enumerate(tile_cells):
-            expected_full = i < n_tiles - 1
-            if (expected_full and cells != tile_size) or not 1 <= cells <= tile_size:
-                raise FormatError(
-                    f"{where}: tile {i} holds {cells} cells; every tile but the last holds "
-                    f"tile_size={tile_size}, the last 1..{tile_size}"
-                )
-        for i in range(n_tiles):
-            if tile_nnz[i] < 0 or tile_nnz[i] > tile_cells[i] * n_genes:
-                raise FormatError(f"{where}: tile {i} claims {tile_nnz[i]} nonzeros")
-            # A tile holds its header, at least one chunk entry and the uncompressed indptr.
-            smallest = HEADER_SIZE + chunk_entry_size(version) + 8 * (tile_cells[i] + 1)
-            if tile_bytes[i] < smallest:
-                raise FormatError(
-                    f"{where}: tile {i} claims {tile_bytes[i]} bytes, too few for "
-                    f"{tile_cells[i]} cells (at least {smallest})"
-                )
-            check_decoded_size(tile_cells[i], tile_nnz[i], tile_bytes[i], f"{where}: tile {i}")
+        _check_tiles(tile_cells, tile_nnz, tile_bytes, tile_size, n_genes, version, where)
         tile_crc32 = None
         if "tile_crc32" in obj:
             tile_crc32 = _int_list(obj, "tile_crc32", where, n_tiles)
-            if any(c >= 2**32 for c in tile_crc32):
+            if tile_crc32 and max(tile_crc32) >= 2**32:
                 raise FormatError(f"{where}: 'tile_crc32' holds a value above 32 bits")
         has_obs = _bool(obj, "has_obs", where)
         fields: dict[str, Any] = {}
