@@ -310,6 +310,26 @@ def test_decimal_names_refuse_negative_positions():
     for kernel in (decimal_names, decimal_name_objects):
         with pytest.raises(ValueError, match="negative"):
             kernel(np.array([3, -1], dtype=np.int64))
+        with pytest.raises(ValueError, match="negative"):
+            kernel(range(-1, 3))
+        with pytest.raises(ValueError, match="step 1"):
+            kernel(range(0, 10, 2))
+
+
+@pytest.mark.parametrize("start, stop", [(0, 0), (0, 1), (0, 12_345), (98, 1_002),
+                                         (10**12 - 5, 10**12 + 5), (2**63 - 3, 2**63 - 1)])
+def test_decimal_names_of_a_range_equal_those_of_its_array(start, stop):
+    """read_deltacells names every cell from ``range(n_cells)`` (no array of positions):
+    the same names as from the array."""
+    from deltacells.codec._rows import decimal_name_objects, decimal_names
+
+    array = np.arange(start, stop, dtype=np.int64)
+    for got, expected in zip(decimal_names(range(start, stop)), decimal_names(array),
+                             strict=True):  # fmt: skip
+        np.testing.assert_array_equal(got, expected)
+    objects = decimal_name_objects(range(start, stop))
+    assert objects.tolist() == decimal_name_objects(array).tolist()
+    assert objects.tolist()[-1:] == [str(v) for v in range(start, stop)][-1:]
 
 
 def test_row_sort_choice_from_the_environment(monkeypatch):

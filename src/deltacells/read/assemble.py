@@ -387,8 +387,8 @@ def _default_obs_names(dataset: Dataset, rows: np.ndarray | None = None) -> pd.I
     m = dataset.manifest
     if m.n_tiles:
         dataset.check_tile_sizes(sorted({0, m.n_tiles - 1}))
-    positions = np.arange(m.n_cells, dtype=np.int64) if rows is None else rows
-    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    # Every cell: a range, not an array of 8 bytes per cell (80 MB of fresh pages at 10M).
+    positions = range(m.n_cells) if rows is None else np.ascontiguousarray(rows, dtype=np.int64)
     default = pd.Index(["name"]).dtype
     if isinstance(default, np.dtype):
         # pandas 2: object strings, as anndata 0.12 expects (it refuses to write an
