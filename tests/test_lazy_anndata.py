@@ -262,3 +262,18 @@ def test_read_obs_names_without_stored_names(tmp_path):
     root = tmp_path / "d"
     dc.write_deltacells(source, root, tile_size=64, progress=False, obs=False)
     assert list(dc.read_obs_names(dc.open_dataset(root), [5, 80, 0])) == ["5", "80", "0"]
+
+
+def test_every_lazy_type_joins_scanpys_dask_dispatchers(stored):
+    """Both lazy types scanpy can meet (the lazy X, and the tile-wise square scanpy's
+    variance makes of it) join scanpy's dispatchers that have a dask version; each type
+    scans the modules on its own (a scan shared between them left the second type out)."""
+    pytest.importorskip("scanpy")
+    from deltacells.read import outofcore
+    from deltacells.read.integrations import TileMapped
+
+    path, _ = stored
+    dc.read_deltacells(path)
+    joined = {kind for _, kind in outofcore._registered}
+    assert {dc.DeltacellsCSRDataset, TileMapped} <= joined
+    assert outofcore.join_dispatchers(TileMapped, TileMapped.to_dask) == 0  # nothing new

@@ -27,7 +27,8 @@ DISPATCHING_PACKAGES = ("scanpy", "fast_array_utils")
 DASK_THROUGH_DEFAULT = (("scanpy.preprocessing._simple", "log1p"),)
 
 _registered: set[tuple[int, type]] = set()
-_scanned_modules: dict[str, int] = {}
+#: (lazy type, module name) -> id of the module scanned for it (each type joins on its own).
+_scanned_modules: dict[tuple[type, str], int] = {}
 
 
 def dask_array_type() -> type | None:
@@ -56,16 +57,17 @@ def join_dispatchers(lazy_type: type, to_dask: Callable[[Any], Any]) -> int:
     Returns how many functions were joined (0 without dask or scanpy). Cheap to call again:
     only modules imported since the last call are looked at.
     """
+    new = [(name, module) for name, module in list(sys.modules.items())
+           if module is not None and name.startswith(DISPATCHING_PACKAGES)
+           and _scanned_modules.get((lazy_type, name)) != id(module)]  # fmt: skip
+    if not new:
+        return 0  # nothing imported since the last call (dask not even looked up)
     dask_type = dask_array_type()
     if dask_type is None:
         return 0
     joined = 0
-    for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith(DISPATCHING_PACKAGES):
-            continue
-        if _scanned_modules.get(name) == id(module):
-            continue
-        _scanned_modules[name] = id(module)
+    for name, module in new:
+        _scanned_modules[(lazy_type, name)] = id(module)
         through_default = {f for m, f in DASK_THROUGH_DEFAULT if m == name}
         for function in _single_dispatch_functions(module):
             key = (id(function), lazy_type)
