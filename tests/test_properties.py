@@ -314,6 +314,8 @@ def test_decimal_names_refuse_negative_positions():
             kernel(range(-1, 3))
         with pytest.raises(ValueError, match="step 1"):
             kernel(range(0, 10, 2))
+        with pytest.raises(ValueError, match="past 2"):
+            kernel(range(2**63 - 2, 2**63 + 1))
 
 
 @pytest.mark.parametrize("start, stop", [(0, 0), (0, 1), (0, 12_345), (98, 1_002),

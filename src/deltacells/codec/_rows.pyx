@@ -3,7 +3,7 @@
 reader source order), minibatch rows taken from tiles, per-cell normalisation and sums."""
 
 from cython.parallel cimport parallel, prange
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
+from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uint32_t
 from cython cimport floating
 from libc.math cimport log1p as c_log1p
 from libc.stdlib cimport free, malloc
@@ -438,6 +438,8 @@ cdef object _position_source(object positions, const int64_t** pos, int64_t* sta
         n[0] = len(positions)
         if n[0] and positions.start < 0:
             raise ValueError(f"{kernel}: negative position")
+        if n[0] and positions[-1] > INT64_MAX:
+            raise ValueError(f"{kernel}: a position past 2^63 - 1")
         start[0] = positions.start
         return positions
     view = positions
