@@ -137,12 +137,14 @@ case "$job" in
     ensure_environment
     # The second stack and the spatialdata environment (the export tests' reader) are set up
     # in the background while the first stack runs: mostly downloads and one compile, which
-    # the mostly single-threaded suite leaves room for on 2 cores.
+    # the mostly single-threaded suite leaves room for on 2 cores. At a lower priority
+    # (nice 10), so that they take the room the suite leaves rather than slowing it.
     setup_logs="$ROOT/build/setup-logs"
     mkdir -p "$setup_logs"
-    ( ensure_new_stack ) >"$setup_logs/newest.log" 2>&1 &
+    ( renice -n 10 -p "$BASHPID" >/dev/null 2>&1 || true; ensure_new_stack ) \
+      >"$setup_logs/newest.log" 2>&1 &
     new_stack_pid=$!
-    "$VENV/bin/python" -c 'from deltacells.testing import SPATIALDATA_SPEC, side_python; side_python(".venvs/spatialdata", SPATIALDATA_SPEC)' \
+    nice -n 10 "$VENV/bin/python" -c 'from deltacells.testing import SPATIALDATA_SPEC, side_python; side_python(".venvs/spatialdata", SPATIALDATA_SPEC)' \
       >"$setup_logs/spatialdata.log" 2>&1 &
     spatialdata_pid=$!
     status=0
