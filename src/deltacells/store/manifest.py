@@ -21,6 +21,7 @@ from deltacells.codec.format import (
     FormatError,
     check_decoded_size,
     chunk_entry_size,
+    decoded_bytes,
     get_limits,
 )
 from deltacells.store.integrity import (
@@ -251,16 +252,21 @@ def _check_tiles(tile_cells: list[int], tile_nnz: list[int], tile_bytes: list[in
             _check_tile_cells(i, tile_cells, tile_size, where)
     nnz = np.asarray(tile_nnz, dtype=np.int64)
     stored = np.asarray(tile_bytes, dtype=np.int64)
-    exact_limit = 2**40
-    large = (nnz > exact_limit) | (stored > exact_limit) | (cells > 2**30)
-    fixed = HEADER_SIZE + chunk_entry_size(version)
-    need = 8 * (cells + 1) + 12 * nnz
+    large = (nnz > 2**40) | (stored > 2**40) | (cells > 2**30)
+    # The same formulas as the per-tile checks, on arrays (Limits.decoded_budget's max is
+    # Python's, hence np.maximum here).
     limits = get_limits()
     budget = np.maximum(float(limits.decoded_floor), limits.decoded_ratio * stored)
-    suspect = large | (nnz > cells * n_genes) | (stored < fixed + 8 * (cells + 1))
-    suspect |= need > budget
+    suspect = large | (nnz > cells * n_genes) | (stored < _smallest_tile(cells, version))
+    suspect |= decoded_bytes(cells, nnz) > budget
     for i in np.flatnonzero(suspect).tolist():
         _check_tile_sizes(i, tile_cells, tile_nnz, tile_bytes, n_genes, version, where)
+
+
+def _smallest_tile(cells, version: int):
+    """Fewest bytes a tile of ``cells`` cells can have (a count, or an array of them): its
+    header, one chunk entry and its uncompressed indptr."""
+    return HEADER_SIZE + chunk_entry_size(version) + 8 * (cells + 1)
 
 
 def _check_tile_cells(i: int, tile_cells: list[int], tile_size: int, where: str) -> None:
@@ -279,7 +285,7 @@ def _check_tile_sizes(i: int, tile_cells: list[int], tile_nnz: list[int],
     entry and its indptr, and it decodes within the limits."""
     if tile_nnz[i] < 0 or tile_nnz[i] > tile_cells[i] * n_genes:
         raise FormatError(f"{where}: tile {i} claims {tile_nnz[i]} nonzeros")
-    smallest = HEADER_SIZE + chunk_entry_size(version) + 8 * (tile_cells[i] + 1)
+    smallest = _smallest_tile(tile_cells[i], version)
     if tile_bytes[i] < smallest:
         raise FormatError(
             f"{where}: tile {i} claims {tile_bytes[i]} bytes, too few for "
