@@ -136,6 +136,44 @@ def test_either_row_sort_refuses_two_columns_sent_to_one(row_sort, n_genes, leng
                             np.ones(length, np.float32), col_map, n_genes)
 
 
+@pytest.mark.parametrize("vector", [True, False], ids=["eight at a time", "one at a time"])
+def test_bitmap_sort_renumbers_every_block_edge_alike(vector):
+    # The bitmap sort renumbers eight entries at a time (AVX2) and hands a block with a dropped
+    # column, or a column outside col_map, to the one-at-a-time loop: drops at a block's first,
+    # middle and last entry, a whole dropped block, a row's short tail, and a column past the
+    # map in the second block all give what the one-at-a-time loop gives (scipy's columns).
+    before = _decode._use_row_sort("bitmap")
+    vector_before = _decode._use_bitmap_vector(vector)
+    try:
+        rng = np.random.default_rng(11)
+        n_genes, length = 2_000, 203  # 25 blocks of eight and a tail of three
+        columns = np.sort(rng.choice(n_genes, length, replace=False)).astype(np.int32)
+        values = np.arange(1, length + 1, dtype=np.float32)
+        col_map = rng.permutation(n_genes).astype(np.int64)
+        for dropped in ([], [0], [8 + 3], [15], list(range(16, 24)), [length - 1],
+                        list(range(0, length, 7))):  # fmt: skip
+            moved = col_map.copy()
+            moved[columns[dropped]] = -1
+            kept = np.flatnonzero(moved[columns] >= 0)
+            order = np.argsort(moved[columns][kept])
+            for dtype in (np.float32, np.float64):
+                got = _rows.remap_columns(np.array([0, length], np.int64), columns,
+                                          values.astype(dtype), moved, n_genes)  # fmt: skip
+                np.testing.assert_array_equal(got[1], moved[columns][kept][order])
+                np.testing.assert_array_equal(got[2], values[kept][order])
+        rows = np.array([0], np.int64)
+        out = (np.zeros(length, np.int32), np.zeros(length, np.float32))
+        for past in (n_genes, 2**31 - 1):  # the first block is fine, the second is not
+            outside = columns.copy()
+            outside[8 + 5] = past
+            with pytest.raises(ValueError, match="columns outside col_map"):
+                _rows.take_rows_into(np.array([0, length], np.int64), outside, values, rows,
+                                     rows, np.array([0, length], np.int64), *out, col_map)
+    finally:
+        _decode._use_row_sort(before)
+        _decode._use_bitmap_vector(vector_before)
+
+
 @PROFILE
 @given(matrix=count_matrices(), seed=st.integers(0, 2**32 - 1))
 def test_decode_through_a_column_permutation(row_sort, matrix, seed):

@@ -25,7 +25,9 @@ cdef extern from "kernels.h" nogil:
         uint32_t* cols
         void* vals
         uint32_t n_cols
+        int vector
     int dc_cpu_has_popcnt() noexcept nogil
+    int dc_cpu_has_avx2() noexcept nogil
     int dc_row_sort(const int32_t* idx, const uint32_t* val32, const double* val64, int64_t n,
                     const int32_t* col_map, uint32_t n_map, uint64_t* keys, uint64_t* spare,
                     double* held, int64_t capacity, dc_sort32_fn sort32, const dc_bitmap* bm,

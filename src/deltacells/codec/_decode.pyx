@@ -40,6 +40,7 @@ from deltacells.codec._common cimport (
     E_ZERO_COUNT,
     E_COL_MAP,
     DELTACELLS_OPENMP,
+    dc_cpu_has_avx2,
     dc_cpu_has_popcnt,
     dc_prefix_planes,
     dc_any_zero_planes,
@@ -90,6 +91,8 @@ cdef bint _bitmap_rows = _row_sort == "bitmap"
 # The bitmap sort counts bits with popcnt: without it (x86-64 CPUs before 2008) the radix
 # sort runs instead.
 cdef bint _has_popcnt = dc_cpu_has_popcnt() != 0
+# Its renumbering runs eight entries at a time where the CPU has AVX2 (same output).
+cdef bint _bitmap_vector = dc_cpu_has_avx2() != 0
 
 cdef enum:
     # The widest bitmap sort: its scratch is 12 bytes per 64 columns per thread (48 KB here).
@@ -105,6 +108,22 @@ cdef int64_t row_sort_bitmap_cols(int64_t n_cols) noexcept nogil:
     """``n_cols`` when rows renumbered into that many columns may take the bitmap sort (the
     ``bitmap_cols`` of ``new_sort_scratch``), else 0."""
     return n_cols if _bitmap_rows and _has_popcnt and 0 < n_cols <= BITMAP_MAX_COLS else 0
+
+
+cdef bint row_sort_bitmap_vector() noexcept nogil:
+    """Whether the bitmap sort renumbers rows eight entries at a time (AVX2)."""
+    return _bitmap_vector
+
+
+def _use_bitmap_vector(wanted=None):
+    """Let the bitmap sort renumber rows with AVX2 (True, where the CPU has it) or one entry
+    at a time (False) from now on, or keep the choice (None); tests compare the two.
+    Returns the previous choice."""
+    global _bitmap_vector
+    previous = bool(_bitmap_vector)
+    if wanted is not None:
+        _bitmap_vector = bool(wanted) and dc_cpu_has_avx2() != 0
+    return previous
 
 
 def _use_row_sort(name=None):
@@ -618,7 +637,8 @@ cdef void _decode_jobs(const TileRef* tiles, const int64_t* job_tiles, int64_t n
         scratch = <uint8_t*>scratches[threadid()]
         chunk = <Chunk*>malloc(2 * sizeof(Chunk))
         sorting = new_sort_scratch(capacity if col_map != NULL else 0, sizeof(value_t) == 8,
-                                   _sort32, row_sort_bitmap_cols(n_genes))
+                                   _sort32, row_sort_bitmap_cols(n_genes),
+                                   row_sort_bitmap_vector())
         row_idx = <int32_t*>malloc((capacity + 1) * sizeof(int32_t)) if by_row else NULL
         row_val = <value_t*>malloc((capacity + 1) * sizeof(value_t)) if by_row else NULL
         for g in prange(n_jobs, schedule="dynamic"):

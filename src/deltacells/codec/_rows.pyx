@@ -31,7 +31,9 @@ from deltacells.codec._rowsort cimport (
     new_sort_scratch,
     row_to_mapped_order,
 )
-from deltacells.codec._decode cimport row_sort32, row_sort_bitmap_cols
+from deltacells.codec._decode cimport (
+    row_sort32, row_sort_bitmap_cols, row_sort_bitmap_vector,
+)
 
 
 cdef inline int _row_mapped_unsorted(const int32_t* idx, const value_t* val, int64_t n,
@@ -73,7 +75,8 @@ cdef void _remap_rows(const int64_t* indptr, const int32_t* indices, const value
     cdef SortScratch sorting
     with parallel(num_threads=n_threads):
         sorting = new_sort_scratch(capacity, sizeof(value_t) == 8, row_sort32(),
-                                   row_sort_bitmap_cols(n_cols))
+                                   row_sort_bitmap_cols(n_cols),
+                                   row_sort_bitmap_vector())
         for block in prange(n_blocks, schedule="dynamic"):
             if not sorting.ready:
                 status[block] = E_NOMEM
@@ -219,7 +222,8 @@ def take_rows_into(const int64_t[::1] indptr, const int32_t[::1] indices,
         return
     with nogil, parallel(num_threads=n_threads):
         sorting = new_sort_scratch(capacity, sizeof(value_t) == 8, row_sort32(),
-                                   row_sort_bitmap_cols(n_cols))
+                                   row_sort_bitmap_cols(n_cols),
+                                   row_sort_bitmap_vector())
         for k in prange(n_pos, schedule="dynamic", chunksize=64):
             j = positions[k]
             r = rows[j]
@@ -338,7 +342,8 @@ def sort_rows_only(const int64_t[::1] indptr, const int32_t[::1] indices,
         return 0
     with nogil, parallel(num_threads=n_threads):
         sorting = new_sort_scratch(longest, sizeof(value_t) == 8, row_sort32(),
-                                   row_sort_bitmap_cols(n_cols))
+                                   row_sort_bitmap_cols(n_cols),
+                                   row_sort_bitmap_vector())
         out_idx = <int32_t*>malloc((longest + 1) * sizeof(int32_t))
         out_val = <value_t*>malloc((longest + 1) * sizeof(value_t))
         for k in prange(n_rows, schedule="dynamic", chunksize=64):

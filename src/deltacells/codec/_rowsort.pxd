@@ -23,11 +23,13 @@ cdef struct SortScratch:
 
 cdef inline SortScratch new_sort_scratch(int64_t capacity, bint hold_values,
                                          dc_sort32_fn sort32,
-                                         int64_t bitmap_cols) noexcept nogil:
+                                         int64_t bitmap_cols,
+                                         bint bitmap_vector) noexcept nogil:
     """Allocate one thread's sort scratch (check ``.ready``; free with ``free_sort_scratch``).
 
     ``bitmap_cols`` > 0 (from ``row_sort_bitmap_cols``): rows may also be sorted by the bitmap
-    of that many output columns."""
+    of that many output columns, renumbered eight entries at a time with ``bitmap_vector``
+    (from ``row_sort_bitmap_vector``)."""
     cdef SortScratch s
     s.capacity = capacity
     s.sort32 = sort32
@@ -36,6 +38,7 @@ cdef inline SortScratch new_sort_scratch(int64_t capacity, bint hold_values,
     s.held = <double*>malloc((capacity + 1) * sizeof(double)) if hold_values else NULL
     s.use_bitmap = capacity > 0 and bitmap_cols > 0
     s.bitmap.n_cols = <uint32_t>bitmap_cols if s.use_bitmap else 0
+    s.bitmap.vector = bitmap_vector
     s.bitmap.bits = NULL
     s.bitmap.ranks = NULL
     s.bitmap.cols = NULL
