@@ -40,6 +40,7 @@ def test_bench_scale_quick(tmp_path):
         fresh = size["open_fresh"]
         assert fresh["names"]["obs_names_type"] == "Index"
         assert fresh["positions"]["obs_names_type"] == "RangeIndex"
+        assert size["names_limit"]["n_names"] == size["n_cells"]  # the 10M goal's limit
     assert results["targets"]["open_reads_only_the_manifest"]
 
 

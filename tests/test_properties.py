@@ -372,6 +372,20 @@ def test_decimal_names_of_a_range_equal_those_of_its_array(start, stop):
     assert objects.tolist()[-1:] == [str(v) for v in range(start, stop)][-1:]
 
 
+def test_name_objects_only_have_the_names_lengths():
+    """bench_scale's limit for an index of Python strings: the same count and lengths as the
+    names, every character "0"."""
+    from deltacells.codec._rows import decimal_name_objects, name_objects_only
+
+    for positions in (range(0, 1_002), range(98, 98), np.array([7, 10**12, 2**63 - 1])):
+        names = decimal_name_objects(positions)
+        slots = name_objects_only(positions)
+        assert [len(s) for s in slots] == [len(s) for s in names]
+        assert set("".join(slots)) <= {"0"}
+    with pytest.raises(ValueError, match="name_objects_only: negative position"):
+        name_objects_only(range(-1, 3))
+
+
 def test_row_sort_choice_from_the_environment(monkeypatch):
     # DELTACELLS_ROW_SORT picks the sort; "auto" asks numpy whether it sorts with AVX-512 (and
     # takes the bitmap sort where it does not); a value that is none of these is named in a

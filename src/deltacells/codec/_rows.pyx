@@ -7,7 +7,7 @@ from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uint32_t
 from cython cimport floating
 from libc.math cimport log1p as c_log1p
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 
 cdef extern from "Python.h":
     # A new compact ASCII string of ``size`` characters, its bytes written in place after.
@@ -506,5 +506,23 @@ def decimal_name_objects(positions):
         length = _n_digits(value)
         name = PyUnicode_New(length, 127)
         _write_decimal(value, <uint8_t*>PyUnicode_DATA(name) + length)
+        view[i] = name
+    return out
+
+
+def name_objects_only(positions):
+    """Python strings of the lengths of ``decimal_name_objects(positions)``, filled with ``"0"``
+    instead of their digits, in an object array: what making the strings alone costs, the
+    least any pandas 2 index of these names takes. For benchmarks (``bench_scale``'s limit)."""
+    cdef const int64_t* pos
+    cdef int64_t start, length
+    cdef Py_ssize_t n, i
+    _source = _position_source(positions, &pos, &start, &n, "name_objects_only")
+    out = np.empty(n, dtype=object)
+    cdef object[::1] view = out
+    for i in range(n):
+        length = _n_digits(_position(pos, start, i))
+        name = PyUnicode_New(length, 127)
+        memset(PyUnicode_DATA(name), 48, length)
         view[i] = name
     return out
