@@ -22,7 +22,7 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    from deltacells.codec import _checksum, _decode, _encode
+    from deltacells.codec import _checksum, _decode, _encode, _sortchoice
 
     versions = {}
     for name in PACKAGES:
@@ -39,7 +39,7 @@ def machine() -> dict:
         "libzstd": _encode.zstd_version(),
         "openmp": _decode.openmp_enabled(),
         "crc": _checksum.crc_backend(),
-        "row_sort": _decode._use_row_sort(),
+        "row_sort": _sortchoice._use_row_sort(),
         "packages": versions,
     }
 

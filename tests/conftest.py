@@ -39,13 +39,13 @@ def row_sort(request):
     """Every way the kernels sort renumbered rows (numpy's quicksort of 32-bit keys, the
     bitmap of output columns renumbered eight entries at a time where the CPU has AVX2 or one
     at a time, or the radix sort of 64-bit keys), for the tests that compare them."""
-    from deltacells.codec import _decode
+    from deltacells.codec import _sortchoice
 
-    before = _decode._use_row_sort(request.param.removesuffix("-scalar"))
-    vector_before = _decode._use_bitmap_vector(not request.param.endswith("-scalar"))
+    before = _sortchoice._use_row_sort(request.param.removesuffix("-scalar"))
+    vector_before = _sortchoice._use_bitmap_vector(not request.param.endswith("-scalar"))
     yield request.param
-    _decode._use_row_sort(before)
-    _decode._use_bitmap_vector(vector_before)
+    _sortchoice._use_row_sort(before)
+    _sortchoice._use_bitmap_vector(vector_before)
 
 
 def spatial_counts(n_cells: int, n_genes: int, *, extent: float, max_count: int, seed: int,

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import deltacells as dc
-from deltacells.codec import _decode, _rows
+from deltacells.codec import _rows, _sortchoice
 from deltacells.codec._decode import ColumnMap
 from deltacells.codec.scatter import gather_tiles_into_many
 from deltacells.codec.tile import gather_tiles_into, stable_order
@@ -142,8 +142,8 @@ def test_bitmap_sort_renumbers_every_block_edge_alike(vector):
     # column, or a column outside col_map, to the one-at-a-time loop: drops at a block's first,
     # middle and last entry, a whole dropped block, a row's short tail, and a column past the
     # map in the second block all give what the one-at-a-time loop gives (scipy's columns).
-    before = _decode._use_row_sort("bitmap")
-    vector_before = _decode._use_bitmap_vector(vector)
+    before = _sortchoice._use_row_sort("bitmap")
+    vector_before = _sortchoice._use_bitmap_vector(vector)
     try:
         rng = np.random.default_rng(11)
         n_genes, length = 2_000, 203  # 25 blocks of eight and a tail of three
@@ -170,8 +170,8 @@ def test_bitmap_sort_renumbers_every_block_edge_alike(vector):
                 _rows.take_rows_into(np.array([0, length], np.int64), outside, values, rows,
                                      rows, np.array([0, length], np.int64), *out, col_map)
     finally:
-        _decode._use_row_sort(before)
-        _decode._use_bitmap_vector(vector_before)
+        _sortchoice._use_row_sort(before)
+        _sortchoice._use_bitmap_vector(vector_before)
 
 
 @PROFILE
@@ -403,7 +403,7 @@ def test_row_sort_choice_from_the_environment(monkeypatch):
     with pytest.warns(RuntimeWarning, match="DELTACELLS_ROW_SORT='fastest'.*radix"):
         assert rowsort.row_sort_wanted() == auto
     with pytest.raises(ValueError, match="'fastest' is not one of simd, bitmap, radix"):
-        _decode._use_row_sort("fastest")
+        _sortchoice._use_row_sort("fastest")
 
 
 @PROFILE

@@ -16,7 +16,6 @@ from cython.parallel cimport parallel, prange, threadid
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
 from libc.stdlib cimport free, malloc
 
-cimport numpy as cnp
 import numpy as np
 
 from deltacells.codec._common cimport (
@@ -40,17 +39,17 @@ from deltacells.codec._common cimport (
     E_ZERO_COUNT,
     E_COL_MAP,
     DELTACELLS_OPENMP,
-    dc_cpu_has_avx2,
-    dc_cpu_has_popcnt,
     dc_prefix_planes,
     dc_any_zero_planes,
     dc_planes_to_f32,
     dc_store_fence,
     dc_chunk_gaps,
 )
+from deltacells.codec._sortchoice cimport (
+    row_sort32, row_sort_bitmap_cols, row_sort_bitmap_vector,
+)
 from deltacells.codec._rowsort cimport (
     SortScratch,
-    dc_sort32_fn,
     free_sort_scratch,
     new_sort_scratch,
     row_to_mapped_order,
@@ -63,82 +62,6 @@ from deltacells.codec._zstd cimport (
 )
 from deltacells.codec.format import FormatError
 from deltacells.codec._status import raise_status
-from deltacells.codec.rowsort import ROW_SORTS, row_sort_wanted
-
-
-cdef extern from "numpy/arrayobject.h":
-    ctypedef struct PyArray_ArrFuncs:
-        void* sort[3]  # NPY_QUICKSORT first
-    PyArray_ArrFuncs* PyDataType_GetArrFuncs(cnp.dtype descr)
-
-
-cnp.import_array()
-
-
-cdef dc_sort32_fn numpy_sort32(bint wanted) noexcept:
-    """numpy's quicksort of uint32 (x86-simd-sort's AVX-512 code where the CPU has it) when
-    ``wanted``, else NULL (the radix sort)."""
-    if not wanted:
-        return NULL
-    return <dc_sort32_fn>PyDataType_GetArrFuncs(cnp.PyArray_DescrFromType(cnp.NPY_UINT32)).sort[0]
-
-
-# The sort for renumbered rows (see codec/rowsort.py): numpy's SIMD sort for narrow rows (or
-# NULL), and whether long rows may be sorted by a bitmap of their columns instead.
-cdef str _row_sort = row_sort_wanted()
-cdef dc_sort32_fn _sort32 = numpy_sort32(_row_sort == "simd")
-cdef bint _bitmap_rows = _row_sort == "bitmap"
-# The bitmap sort counts bits with popcnt: without it (x86-64 CPUs before 2008) the radix
-# sort runs instead.
-cdef bint _has_popcnt = dc_cpu_has_popcnt() != 0
-# Its renumbering runs eight entries at a time where the CPU has AVX2 (same output).
-cdef bint _bitmap_vector = dc_cpu_has_avx2() != 0
-
-cdef enum:
-    # The widest bitmap sort: its scratch is 12 bytes per 64 columns per thread (48 KB here).
-    BITMAP_MAX_COLS = 1 << 18
-
-
-cdef dc_sort32_fn row_sort32() noexcept nogil:
-    """The sort for renumbered rows, for every kernel module (see codec/rowsort.py)."""
-    return _sort32
-
-
-cdef int64_t row_sort_bitmap_cols(int64_t n_cols) noexcept nogil:
-    """``n_cols`` when rows renumbered into that many columns may take the bitmap sort (the
-    ``bitmap_cols`` of ``new_sort_scratch``), else 0."""
-    return n_cols if _bitmap_rows and _has_popcnt and 0 < n_cols <= BITMAP_MAX_COLS else 0
-
-
-cdef bint row_sort_bitmap_vector() noexcept nogil:
-    """Whether the bitmap sort renumbers rows eight entries at a time (AVX2)."""
-    return _bitmap_vector
-
-
-def _use_bitmap_vector(wanted=None):
-    """Let the bitmap sort renumber rows with AVX2 (True, where the CPU has it) or one entry
-    at a time (False) from now on, or keep the choice (None); tests compare the two.
-    Returns the previous choice."""
-    global _bitmap_vector
-    previous = bool(_bitmap_vector)
-    if wanted is not None:
-        _bitmap_vector = bool(wanted) and dc_cpu_has_avx2() != 0
-    return previous
-
-
-def _use_row_sort(name=None):
-    """Sort renumbered rows with ``"simd"`` (numpy's quicksort), ``"bitmap"`` or ``"radix"``
-    from now on, in every kernel module, or keep the choice (None); tests and benchmarks
-    compare them. Returns the previous choice."""
-    global _row_sort, _sort32, _bitmap_rows
-    previous = _row_sort
-    if name is not None:
-        if name not in ROW_SORTS:
-            raise ValueError(f"row sort {name!r} is not one of {', '.join(ROW_SORTS)}")
-        _row_sort = name
-        _sort32 = numpy_sort32(name == "simd")
-        _bitmap_rows = name == "bitmap"
-    return previous
 
 
 def openmp_enabled() -> bool:
@@ -637,7 +560,7 @@ cdef void _decode_jobs(const TileRef* tiles, const int64_t* job_tiles, int64_t n
         scratch = <uint8_t*>scratches[threadid()]
         chunk = <Chunk*>malloc(2 * sizeof(Chunk))
         sorting = new_sort_scratch(capacity if col_map != NULL else 0, sizeof(value_t) == 8,
-                                   _sort32, row_sort_bitmap_cols(n_genes),
+                                   row_sort32(), row_sort_bitmap_cols(n_genes),
                                    row_sort_bitmap_vector())
         row_idx = <int32_t*>malloc((capacity + 1) * sizeof(int32_t)) if by_row else NULL
         row_val = <value_t*>malloc((capacity + 1) * sizeof(value_t)) if by_row else NULL

@@ -31,7 +31,7 @@ from deltacells.codec._rowsort cimport (
     new_sort_scratch,
     row_to_mapped_order,
 )
-from deltacells.codec._decode cimport (
+from deltacells.codec._sortchoice cimport (
     row_sort32, row_sort_bitmap_cols, row_sort_bitmap_vector,
 )
 

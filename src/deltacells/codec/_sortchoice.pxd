@@ -1,4 +1,4 @@
-"""What other kernel modules take from _decode.pyx."""
+"""The row sort in use, for every kernel module that renumbers rows (_decode, _rows)."""
 
 from libc.stdint cimport int64_t
 
