@@ -491,38 +491,37 @@ def decimal_names(positions):
     return offsets, data
 
 
-def decimal_name_objects(positions):
-    """The decimal strings of ``positions`` as an object array of Python strings (what a
-    pandas 2 index holds), each made from its digits without a round trip through Arrow.
-    ``positions``: an int64 array, or a ``range`` of step 1."""
+cdef object _name_objects(positions, bint digits, str caller):
+    """One Python string per position, of its decimal length: its digits, or ``"0"`` repeated
+    when ``digits`` is false. One loop for both, so the benchmark's limit times exactly the
+    loop the reader runs, less the digits."""
     cdef const int64_t* pos
     cdef int64_t start, length, value
     cdef Py_ssize_t n, i
-    _source = _position_source(positions, &pos, &start, &n, "decimal_name_objects")
+    _source = _position_source(positions, &pos, &start, &n, caller)
     out = np.empty(n, dtype=object)
     cdef object[::1] view = out
     for i in range(n):
         value = _position(pos, start, i)
         length = _n_digits(value)
         name = PyUnicode_New(length, 127)
-        _write_decimal(value, <uint8_t*>PyUnicode_DATA(name) + length)
+        if digits:
+            _write_decimal(value, <uint8_t*>PyUnicode_DATA(name) + length)
+        else:
+            memset(PyUnicode_DATA(name), 48, length)
         view[i] = name
     return out
+
+
+def decimal_name_objects(positions):
+    """The decimal strings of ``positions`` as an object array of Python strings (what a
+    pandas 2 index holds), each made from its digits without a round trip through Arrow.
+    ``positions``: an int64 array, or a ``range`` of step 1."""
+    return _name_objects(positions, True, "decimal_name_objects")
 
 
 def name_objects_only(positions):
     """Python strings of the lengths of ``decimal_name_objects(positions)``, filled with ``"0"``
     instead of their digits, in an object array: what making the strings alone costs, the
     least any pandas 2 index of these names takes. For benchmarks (``bench_scale``'s limit)."""
-    cdef const int64_t* pos
-    cdef int64_t start, length
-    cdef Py_ssize_t n, i
-    _source = _position_source(positions, &pos, &start, &n, "name_objects_only")
-    out = np.empty(n, dtype=object)
-    cdef object[::1] view = out
-    for i in range(n):
-        length = _n_digits(_position(pos, start, i))
-        name = PyUnicode_New(length, 127)
-        memset(PyUnicode_DATA(name), 48, length)
-        view[i] = name
-    return out
+    return _name_objects(positions, False, "name_objects_only")
