@@ -56,9 +56,10 @@ def test_the_dataset_has_every_part(full):
     assert dc.open_dataset(full).unchecked_parts() == []
 
 
-@pytest.mark.first_stack  # ~70 s a stack; see conftest.py
+@pytest.mark.first_stack  # ~95 s in one process; see conftest.py
 def test_every_damage_is_refused_or_harmless_and_verify_sees_it(full):
-    report = tamper_dataset(full, flips_per_file=1, truncate=0.25, seed=20261204, seconds=150)
+    report = tamper_dataset(full, flips_per_file=1, truncate=0.25, seed=20261204, seconds=150,
+                            processes=2)  # fmt: skip
     n_files = sum(1 for p in full.rglob("*") if p.is_file())
     assert report.damages >= n_files  # every file was damaged at least once
     assert report.silent == []
@@ -72,6 +73,25 @@ def test_partial_reads_are_checked_without_verify(full):
     """Ranged reads and gene-major reads check exactly the bytes they fetch."""
     rng = np.random.default_rng(7)
     report = tamper_dataset(full, flips_per_file=6, truncate=0.0, seed=int(rng.integers(99)),
-                            only=lambda name: name.startswith(("tiles/", "genes/")))  # fmt: skip
+                            only=lambda name: name.startswith(("tiles/", "genes/")),
+                            processes=2)  # fmt: skip
     assert report.damages > 40
+    assert report.silent == [] and report.missed == [] and report.crashed == []
+
+
+def test_a_seed_names_the_same_damages_for_any_number_of_processes(full):
+    """The damages are drawn in the caller, file by file, and dealt to the processes: the
+    processes share them out, none is lost or repeated."""
+    from deltacells.tamper import _damages
+
+    first = list(_damages(full, np.random.default_rng(3), 2, 0.5))
+    assert first == list(_damages(full, np.random.default_rng(3), 2, 0.5))
+    n_files = sum(1 for p in full.rglob("*") if p.is_file() and p.stat().st_size)
+    assert {d.name for d in first} == {str(p.relative_to(full)) for p in full.rglob("*")
+                                       if p.is_file() and p.stat().st_size}  # fmt: skip
+    assert len(first) >= 2 * n_files
+    name = first[0].name
+    report = tamper_dataset(full, flips_per_file=1, truncate=0.0, seed=3, processes=2,
+                            only=lambda n: n == name)  # fmt: skip
+    assert report.damages == 1 and report.refused >= 1
     assert report.silent == [] and report.missed == [] and report.crashed == []

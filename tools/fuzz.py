@@ -102,7 +102,7 @@ def tamper_round(tmp: Path, n: int, seed: int) -> FuzzReport:
         everything(root)
     out = FuzzReport()
     for k in range(n):
-        report = tamper_dataset(root, flips_per_file=3, truncate=1.0, seed=seed + k)
+        report = tamper_dataset(root, flips_per_file=3, truncate=1.0, seed=seed + k, processes=2)
         bad = report.silent + report.missed + report.crashed
         if bad:
             raise SystemExit(f"tamper seed {seed + k}: " + "\n".join(bad[:20]))

@@ -11,11 +11,14 @@ epoch, then ``verify``. Each path must give exactly what it gives on the intact 
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
+import os
 import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,7 @@ import pandas as pd
 import scipy.sparse as sp
 
 from deltacells.codec.format import FormatError
+from deltacells.codec.threads import usable_cpu_count
 
 __all__ = ["TamperReport", "digest_of", "read_every_path", "tamper_dataset"]
 
@@ -148,27 +152,46 @@ class TamperReport:
     slowest: float = 0.0
 
 
-def _damages(root: Path, rng: np.random.Generator, flips_per_file: int, truncate: float):
-    """(file, description, new bytes) for each damage to apply."""
-    files = sorted(p for p in root.rglob("*") if p.is_file())
-    for path in files:
-        data = path.read_bytes()
+@dataclass(frozen=True)
+class _Damage:
+    """One damage to one file: a flipped bit, or a truncation to ``cut`` bytes."""
+
+    name: str
+    bit: int | None = None
+    cut: int | None = None
+
+    @property
+    def what(self) -> str:
+        if self.bit is not None:
+            return f"{self.name}: bit {self.bit} flipped"
+        return f"{self.name}: truncated to {self.cut} bytes"
+
+    def apply(self, data: bytes) -> bytes:
+        if self.bit is None:
+            return data[: self.cut]
+        changed = bytearray(data)
+        changed[self.bit // 8] ^= 1 << (self.bit % 8)
+        return bytes(changed)
+
+
+def _damages(root: Path, rng: np.random.Generator, flips_per_file: int,
+             truncate: float) -> Iterator[_Damage]:  # fmt: skip
+    """The damages to apply, file by file in name order (drawn from ``rng`` alone, so a seed
+    names the same damages however many processes apply them)."""
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        size = path.stat().st_size
         name = str(path.relative_to(root))
-        if not data:
+        if not size:
             continue
         for _ in range(flips_per_file):
-            bit = int(rng.integers(8 * len(data)))
-            changed = bytearray(data)
-            changed[bit // 8] ^= 1 << (bit % 8)
-            yield name, f"{name}: bit {bit} flipped", bytes(changed)
+            yield _Damage(name, bit=int(rng.integers(8 * size)))
         if rng.random() < truncate:
-            cut = int(rng.integers(len(data)))
-            yield name, f"{name}: truncated to {cut} bytes", data[:cut]
+            yield _Damage(name, cut=int(rng.integers(size)))
 
 
 def tamper_dataset(root: str | Path, *, flips_per_file: int = 1, truncate: float = 1.0,
                    seed: int = 0, only: Callable[[str], bool] | None = None,
-                   seconds: float | None = None) -> TamperReport:  # fmt: skip
+                   seconds: float | None = None, processes: int = 1) -> TamperReport:  # fmt: skip
     """Damage each file of ``root`` in turn (``flips_per_file`` single-bit flips, and a
     truncation) in a copy, and read the copy through :func:`read_every_path` and ``verify``.
 
@@ -181,11 +204,42 @@ def tamper_dataset(root: str | Path, *, flips_per_file: int = 1, truncate: float
     only
         Damage only the files whose relative names it accepts.
     seconds
-        Stop starting new damages after this long.
+        Stop starting new damages after this long (each process on its own clock).
+    processes
+        Processes applying the damages, each to its own copy (started with ``spawn``, each
+        decoding with its share of the usable CPUs). The same seed gives the same damages.
     """
+    rng = np.random.default_rng(seed)
+    damages = [d for d in _damages(Path(root), rng, flips_per_file, truncate)
+               if only is None or only(d.name)]  # fmt: skip
+    if processes <= 1:
+        return _apply_damages(str(root), damages, seconds)
+    threads = max(1, usable_cpu_count() // processes)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(processes, mp_context=context, initializer=_limit_threads,
+                             initargs=(threads,)) as pool:  # fmt: skip
+        shares = [damages[k::processes] for k in range(processes)]
+        reports = list(pool.map(_apply_damages, [str(root)] * processes, shares,
+                                [seconds] * processes))  # fmt: skip
+    merged = TamperReport()
+    for report in reports:
+        merged.damages += report.damages
+        merged.refused += report.refused
+        merged.silent += report.silent
+        merged.missed += report.missed
+        merged.crashed += report.crashed
+        merged.slowest = max(merged.slowest, report.slowest)
+    return merged
+
+
+def _limit_threads(n: int) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(n)
+
+
+def _apply_damages(root: str, damages: list[_Damage], seconds: float | None) -> TamperReport:
+    """Apply ``damages`` one at a time to a copy of ``root`` and read it every way."""
     from deltacells.read.dataset import open_dataset
 
-    rng = np.random.default_rng(seed)
     report = TamperReport()
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="deltacells-tamper-") as tmp:
@@ -195,14 +249,13 @@ def tamper_dataset(root: str | Path, *, flips_per_file: int = 1, truncate: float
             warnings.simplefilter("ignore")
             expected = {name: digest_of(read())
                         for name, read in read_every_path(work, Path(tmp) / "c0").items()}
-        for i, (name, what, data) in enumerate(_damages(work, rng, flips_per_file, truncate)):
-            if only is not None and not only(name):
-                continue
+        for i, damage in enumerate(damages):
             if seconds is not None and time.monotonic() - start > seconds:
                 break
-            target = work / name
+            what = damage.what
+            target = work / damage.name
             pristine = target.read_bytes()
-            target.write_bytes(data)
+            target.write_bytes(damage.apply(pristine))
             report.damages += 1
             began = time.monotonic()
             cache = Path(tmp) / f"c{i + 1}"  # a fresh obs cache: the damage must be seen
