@@ -26,8 +26,10 @@ def test_convert_info_verify(tmp_path, capsys):
     assert info["n_cells"] == 2327 and info["n_tiles"] == 5
     assert info["obs_columns"]["list_ID"] == "category"
     assert info["obs_columns"]["in_tissue"] == "numeric"
+    assert info["cell_order"] is None  # stored in the input's order
     assert main(["info", str(out)]) == 0
-    assert "bytes" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "bytes" in shown and "cells stored" not in shown
     assert main(["verify", str(out), "--quiet"]) == 0
 
 
@@ -99,6 +101,17 @@ def test_console_script_runs(tmp_path):
     assert result.returncode == 0, result.stderr
     order = np.load(tmp_path / "d" / "cell_order.npy")
     assert len(order) == 2327
+
+
+def test_convert_says_reads_give_the_shuffled_order_and_the_way_back(tmp_path, capsys):
+    out = tmp_path / "d"
+    assert main(["convert", str(DATA_DIR / "visium_multisample.h5ad"), str(out),
+                 "--shuffle"]) == 0  # fmt: skip
+    shown = capsys.readouterr().out
+    assert "cells stored shuffled: reads give that order" in shown
+    assert "row_order='source'" in shown
+    assert main(["info", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cell_order"] == "shuffled"
 
 
 def test_help_documents_every_option(capsys):

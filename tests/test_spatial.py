@@ -396,8 +396,12 @@ def test_cli_converts_in_spatial_order_and_info_shows_the_grid(tmp_path, capsys)
     shown = capsys.readouterr().out
     nx, ny = index.grid_shape
     assert f"spatial order: grid of {nx} x {ny} tiles of 1000 x 1000" in shown
+    # The reordering is said, with the way back to the input's order.
+    assert "cells stored by grid tile" in shown and "row_order='source'" in shown
     assert main(["info", "--json", str(out)]) == 0
-    assert json.loads(capsys.readouterr().out)["spatial_index"]["grid_shape"] == [nx, ny]
+    info = json.loads(capsys.readouterr().out)
+    assert info["spatial_index"]["grid_shape"] == [nx, ny]
+    assert info["cell_order"] == "spatial"
 
 
 def test_source_row_order_undoes_the_spatial_order(visium):

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from deltacells.codec.format import FormatError
 from deltacells.codec.tile import DEFAULT_LEVEL, DEFAULT_N_CHUNKS
-from deltacells.read.dataset import open_dataset
+from deltacells.read.dataset import open_dataset, stored_cell_order
 from deltacells.spatial.genemajor import DEFAULT_BLOCK_CELLS, DEFAULT_CHUNK_GENES
 from deltacells.write.defaults import DEFAULT_TILE_SIZE, JOINS
 
@@ -70,7 +70,19 @@ def _kept(manifest) -> list[str]:
     spatial = meta.get("spatial_index")
     if spatial:
         lines.append(_spatial_line(spatial))
+    order = _order_line(stored_cell_order(meta))
+    if order:
+        lines.append(order)
     return lines
+
+
+def _order_line(kind: str | None) -> str | None:
+    """Reads give the stored cell order: say so, with the way back to the input's."""
+    if kind is None:
+        return None
+    how = {"spatial": "by grid tile", "shuffled": "shuffled", "given": "in the given order"}
+    return (f"cells stored {how.get(kind, kind)}: reads give that order; "
+            "read_deltacells(..., row_order='source') gives the input's")
 
 
 def _spatial_line(spatial: dict) -> str:
@@ -178,6 +190,9 @@ def _info(args: argparse.Namespace) -> int:
             print(f"    {'layers (not counts)' if name == 'layers' else name}: anndata.zarr")
     if info.get("spatial_index"):
         print(f"  {_spatial_line(info['spatial_index'])}")
+    order = _order_line(info.get("cell_order"))
+    if order:
+        print(f"  {order}")
     if info.get("gene_major"):
         g = info["gene_major"]
         print(f"  gene-major       {g['n_blocks']} blocks of up to {g['block_cells']:,} cells, "

@@ -256,6 +256,7 @@ class Dataset:
             "stored_parts": {"layers": parts.layers, "raw": parts.raw,
                              "elements": list(parts.elements)},
             "spatial_index": m.metadata.get("spatial_index"),
+            "cell_order": stored_cell_order(m.metadata),
             "unchecked": self.unchecked_parts(),
             "manifest_sha256": m.digest,
             "gene_major": None if m.metadata.get("gene_major") is None else {
@@ -263,6 +264,15 @@ class Dataset:
                 if k in ("block_cells", "chunk_genes", "n_blocks")} | {
                 "bytes": sum(m.metadata["gene_major"].get("block_bytes") or [])},
         }
+
+
+def stored_cell_order(metadata: dict) -> str | None:
+    """How the cells were reordered at write time (None: stored in the input's order)."""
+    if not (metadata.get("cell_order") or (metadata.get("shuffle") or {}).get("cell_order")):
+        return None
+    if metadata.get("spatial_index"):
+        return "spatial"
+    return "shuffled" if metadata.get("shuffle") else "given"
 
 
 def _what_file(path: str) -> str:

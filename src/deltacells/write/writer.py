@@ -221,7 +221,9 @@ def write_deltacells(
         (genes in all inputs) or ``"outer"`` (genes in any input, zeros where absent).
     shuffle, seed
         Write cells in a seeded random order (recorded in ``cell_order.npy``), so contiguous
-        reads are random samples for training.
+        reads are random samples for training. Reads then give the stored order;
+        ``read_deltacells(..., row_order="source")`` gives the input's (likewise for
+        ``cell_order`` and ``spatial_key``).
     cell_order
         Write cells in this order instead: stored row ``i`` is source row ``cell_order[i]``
         (a permutation; recorded in ``cell_order.npy``).
