@@ -186,6 +186,7 @@ case "$job" in
   bench)
     ensure_environment
     for script in benchmarks/bench_*.py; do "$VENV/bin/python" "$script" "$@"; done
+    "$VENV/bin/python" benchmarks/goals.py  # the goals beside the runs' figures and limits
     ;;
   docs)
     ensure_environment
