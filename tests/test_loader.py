@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import anndata as ad
 import numpy as np
 import pytest
@@ -244,6 +247,24 @@ def test_outputs_numpy_and_torch(pair):
     dense_t = next(iter(dc.Loader(url, batch_size=50, output="torch_dense")))
     assert dense_t.X.dtype == torch.float32
     np.testing.assert_array_equal(dense_t.X.numpy(), X[dense_t.cells].toarray())
+
+
+def test_torch_batches_do_not_warn_that_nothing_is_checked(pair):
+    # torch warns once per process, so the first sparse batch is made in a fresh one.
+    pytest.importorskip("torch")
+    url, _ = pair
+    script = (
+        "import sys, warnings\n"
+        "import deltacells as dc\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        "    batch = next(iter(dc.Loader(sys.argv[1], batch_size=50, output='torch')))\n"
+        "    batch.X.to_dense()\n"
+        "print('|'.join(str(w.message) for w in seen))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(url)], capture_output=True,
+                          text=True, check=True, timeout=120)  # fmt: skip
+    assert "invariant checks are implicitly disabled" not in done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])

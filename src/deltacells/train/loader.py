@@ -665,9 +665,12 @@ def _convert(matrix: sp.csr_matrix, output: str) -> Any:
 
     if output == "torch_dense":
         return torch.from_numpy(matrix.toarray())
+    # The kernels have checked every index already (in range, no repeats, sorted unless
+    # sorted_indices=False); saying so also spares users torch's warning that it checks nothing.
     return torch.sparse_csr_tensor(
         torch.from_numpy(matrix.indptr.astype(np.int64)),
         torch.from_numpy(matrix.indices.astype(np.int64)),
         torch.from_numpy(matrix.data),
         size=matrix.shape,
+        check_invariants=False,
     )
