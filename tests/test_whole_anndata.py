@@ -338,6 +338,31 @@ def test_the_error_for_normalised_x_names_the_counts_layer(tmp_path, capsys):
         dc.write_deltacells(only_raw, tmp_path / "c", progress=False)
 
 
+def test_a_missing_x_names_what_to_store_instead(tmp_path, capsys):
+    from deltacells.cli import main
+
+    source = processed(seed=14)
+    no_x = ad.AnnData(obs=source.obs, var=source.var, layers={"counts": source.layers["counts"]})
+    fix = r"has no X: pass layer='counts' \(deltacells convert --layer counts\) to store one"
+    with pytest.raises(ValueError, match=fix):
+        dc.write_deltacells(no_x, tmp_path / "a", progress=False)
+    for suffix, write in ((".h5ad", no_x.write_h5ad), (".zarr", no_x.write_zarr)):
+        write(tmp_path / f"x{suffix}")
+        with pytest.raises(ValueError, match=rf"x\{suffix}: the file " + fix):
+            dc.write_deltacells(tmp_path / f"x{suffix}", tmp_path / "b", progress=False)
+    assert main(["convert", str(tmp_path / "x.h5ad"), str(tmp_path / "c"), "--quiet"]) == 1
+    assert "has no X: pass --layer counts to store one of its layers" in capsys.readouterr().err
+    with pytest.raises(KeyError, match=r"layer 'count' not found \(layers: \['counts'\]\)"):
+        dc.write_deltacells(tmp_path / "x.h5ad", tmp_path / "d", layer="count", progress=False)
+    only_raw = ad.AnnData(obs=source.obs, var=source.var)
+    only_raw.raw = ad.AnnData(X=source.layers["counts"], obs=source.obs, var=source.var)
+    with pytest.raises(ValueError, match=r"has no X: pass use_raw=True \(deltacells convert"):
+        dc.write_deltacells(only_raw, tmp_path / "e", progress=False)
+    bare = ad.AnnData(obs=source.obs, var=source.var)
+    with pytest.raises(ValueError, match="has no X: set X to the counts"):
+        dc.write_deltacells(bare, tmp_path / "f", progress=False)
+
+
 @pytest.mark.parametrize(("written", "read"), [(np.int32, np.int32), (np.float32, np.float32),
                                                (np.float64, np.float64), (np.int64, np.int32),
                                                (np.uint16, np.int32)])

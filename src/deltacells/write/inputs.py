@@ -233,7 +233,8 @@ def _part_from_anndata(adata: ad.AnnData, layer: str | None, use_raw: bool) -> _
     else:
         matrix, var = adata.X, adata.var
     if matrix is None:
-        raise ValueError("the AnnData has no X")
+        raise ValueError(f"{label}: the AnnData has no X"
+                         + _no_x_hint(layer_names(adata), adata.raw is not None))  # fmt: skip
     reader = _reader_for(matrix)
     hint = None if use_raw or layer is not None else lambda: _layer_hint(
         [name for name in layer_names(adata) if _looks_like_counts(adata.layers[name])],
@@ -259,6 +260,16 @@ def _looks_like_counts(matrix: Any, sample: int = 100_000) -> bool:
     except (TypeError, ValueError, AttributeError):
         return False
     return bool(values.size) and bool(np.all(values >= 0) and np.all(values == np.round(values)))
+
+
+def _no_x_hint(layers: list[str], raw: bool) -> str:
+    """What to store instead of a missing X: one of the layers, raw, or counts set as X."""
+    if layers:
+        return (f": pass layer={layers[0]!r} (deltacells convert --layer {layers[0]}) to "
+                f"store one of its layers {layers}")  # fmt: skip
+    if raw:
+        return ": pass use_raw=True (deltacells convert --raw) to store raw.X"
+    return ": set X to the counts to store"
 
 
 def _layer_hint(count_layers: list[str], raw_counts: bool) -> str:
@@ -320,16 +331,19 @@ def _open_group(path: Path) -> tuple[Any, list[Callable[[], None]]]:
 
 def _elements(group: Any, path: Path, layer: str | None, use_raw: bool) -> tuple[Any, Any]:
     """The counts element and its var group."""
-    if use_raw:
-        from deltacells.write.extras import has_raw
+    from deltacells.write.extras import has_raw
 
+    if use_raw:
         if not has_raw(group):
             raise ValueError(f"{path}: use_raw=True but the file has no raw")
         return group["raw"]["X"], group["raw"]["var"]
+    layers = sorted(group["layers"].keys()) if "layers" in group else []
     if layer is not None:
-        if "layers" not in group or layer not in group["layers"]:
-            raise KeyError(f"{path}: layer {layer!r} not found")
+        if layer not in layers:
+            raise KeyError(f"{path}: layer {layer!r} not found (layers: {layers})")
         return group["layers"][layer], group["var"]
+    if "X" not in group:
+        raise ValueError(f"{path}: the file has no X" + _no_x_hint(layers, has_raw(group)))
     return group["X"], group["var"]
 
 
