@@ -249,52 +249,6 @@ def test_outputs_numpy_and_torch(pair):
     np.testing.assert_array_equal(dense_t.X.numpy(), X[dense_t.cells].toarray())
 
 
-@pytest.mark.parametrize("options", [{}, {"column_order": "stored"}, {"sorted_indices": False}])
-def test_batch_memory_is_reused_only_when_dropped(pair, options):
-    """Batches written into memory of earlier batches: only memory nothing refers to any
-    more (the batch, its matrix, a view or slice of its arrays, a tensor all count)."""
-    url, adata = pair
-    loader = dc.Loader(url, batch_size=60, seed=3, **options)
-    X = sp.csr_matrix(adata[:, list(loader.var_names)].X)  # in the loader's column order
-    X.sort_indices()
-
-    def check(batch) -> None:
-        np.testing.assert_array_equal(batch.X.toarray(), X[batch.cells].toarray())
-
-    for batch in loader:  # each batch dropped when the next one comes
-        check(batch)
-    assert loader._batch_memory.reused > 0  # the fast path ran
-    kept, parts, checked = [], [], 0
-    loader._batch_memory.reused = 0
-    for i, batch in enumerate(loader):
-        if i % 3 == 0:
-            kept.append(batch)  # the whole batch
-        elif i % 3 == 1:  # only a view of one of its arrays
-            held = batch.X.indices[:] if i % 2 else batch.X.data[:]
-            parts.append((held, "indices" if i % 2 else "data", X[batch.cells]))
-        check(batch)
-        checked += 1
-    assert loader._batch_memory.reused > 0 and checked == len(loader)
-    for batch in kept:  # never written again
-        check(batch)
-    assert {name for _, name, _ in parts} == {"indices", "data"}
-    for held, name, expected in parts:  # rows in any order within: compare as multisets
-        np.testing.assert_array_equal(np.sort(held), np.sort(getattr(expected, name)))
-    assert not loader._batch_memory._held  # let go at the end of the epoch
-
-
-def test_kept_torch_batches_are_never_written_again(pair):
-    torch = pytest.importorskip("torch")
-    url, adata = pair
-    X = sp.csr_matrix(adata.X)
-    loader = dc.Loader(url, batch_size=60, seed=4, output="torch")
-    kept = [(batch.X, batch.cells) for i, batch in enumerate(loader) if i % 2 == 0]
-    assert loader._batch_memory.reused > 0  # the dropped batches' memory went to later ones
-    for tensor, cells in kept:
-        assert tensor.layout == torch.sparse_csr
-        np.testing.assert_array_equal(tensor.to_dense().numpy(), X[cells].toarray())
-
-
 def test_torch_batches_do_not_warn_that_nothing_is_checked(pair):
     # torch warns once per process, so the first sparse batch is made in a fresh one.
     pytest.importorskip("torch")

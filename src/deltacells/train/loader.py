@@ -45,7 +45,6 @@ from deltacells.codec.tile import Tile, _value_dtype, empty_output, gathered_ind
 from deltacells.read.dataset import Dataset, gather_cells, group_by_tile, open_dataset
 from deltacells.read.obscache import ObsCache
 from deltacells.store.manifest import tile_name
-from deltacells.train.batch_memory import BatchMemory
 from deltacells.train.plan import (
     SHUFFLE_MODES,
     BatchRuns,
@@ -255,8 +254,6 @@ class Loader:
         self._obs = self._load_obs(self.obs_columns, cache_dir)
         m = self.dataset.manifest
         self._limits = m.limits  # one past each tile's last cell
-        # Batches alive at once: the consumer's, those queued, those being built.
-        self._batch_memory = BatchMemory(keep=prefetch + 6)
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -402,7 +399,6 @@ class Loader:
             self.epoch += 1
             self._batches_done = 0
         finally:
-            self._batch_memory.clear()  # no batch memory held between epochs
             stop.set()
             while thread.is_alive():
                 try:
@@ -500,8 +496,9 @@ class _BatchBuilder:
             touched, groups, local = group_by_tile(self.batches[i], self.loader._limits)
             tiles = [self._parsed_kept(int(t)) for t in touched]
             indptr = gathered_indptr(tiles, groups, local)
-            indices, values = self.loader._batch_memory.take(int(indptr[-1]), self.loader.dtype)
-            out = self.outputs[i] = (indptr, indices, values)
+            n = int(indptr[-1])
+            out = self.outputs[i] = (indptr, empty_output(n, np.int32),
+                                     empty_output(n, self.loader.dtype))  # fmt: skip
         return out
 
     def _decode_visit(self, v: int) -> None:
@@ -619,7 +616,8 @@ class _BatchBuilder:
                 totals[mine] = tile.totals[local[mine]]
         indptr = np.zeros(len(local) + 1, dtype=np.int64)
         np.cumsum(lengths, out=indptr[1:])
-        indices, values = loader._batch_memory.take(int(indptr[-1]), loader.dtype)
+        indices = empty_output(int(indptr[-1]), np.int32)
+        values = empty_output(int(indptr[-1]), loader.dtype)
         for tile, mine in zip(decoded, groups, strict=True):
             m = tile.matrix
             _rows.take_rows_into(tile.indptr, m.indices, m.data, local, mine, indptr, indices,
