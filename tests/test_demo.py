@@ -22,6 +22,7 @@ def run_demo(monkeypatch, capsys, *argv: str) -> str:
 def test_demo_on_small_real_files(monkeypatch, capsys, name):
     out = run_demo(monkeypatch, capsys, str(DATA_DIR / f"{name}.h5ad"))
     assert "equal to the source: yes" in out and "verify" in out and out.rstrip().endswith("OK")
+    assert "the next in" in out and "every cell once in each: yes" in out  # two epochs
 
 
 def test_demo_without_shared_data_generates_its_own(monkeypatch, capsys, tmp_path):
