@@ -324,14 +324,21 @@ def main() -> None:
         table(results, args.tag)
 
 
+def size_near(results: dict, cells: float) -> dict | None:
+    """The measured size within 10% of ``cells`` (the repeats give 10,035,200 for "10M"), or
+    None when the run had none."""
+    near = [s for s in results["sizes"] if 0.9 * cells <= s["n_cells"] <= 1.1 * cells]
+    return near[0] if near else None
+
+
 def _open_goal(results: dict, cells: float, seconds: float, peak_mb: float | None,
                mode: str) -> bool | None:  # fmt: skip
     """Whether read_deltacells (no obs, fresh process, ``obs_names=mode``) of the size
     nearest ``cells`` met its goal."""
-    near = [s for s in results["sizes"] if 0.9 * cells <= s["n_cells"] <= 1.1 * cells]
-    if not near or mode not in near[0].get("open_fresh", {}):
+    size = size_near(results, cells)
+    if size is None or mode not in size.get("open_fresh", {}):
         return None
-    step = near[0]["open_fresh"][mode]
+    step = size["open_fresh"][mode]
     if peak_mb is None:
         return step["s"] <= seconds
     return step["s"] <= seconds and step["process_peak_rss_mb"] <= peak_mb

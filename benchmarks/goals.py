@@ -18,6 +18,8 @@ import argparse
 import json
 from pathlib import Path
 
+from bench_scale import size_near
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -104,16 +106,11 @@ def loader_goals(run: dict) -> list[dict]:
     ]  # fmt: skip
 
 
-def _size_near(run: dict, cells: float) -> dict | None:
-    near = [s for s in run["sizes"] if 0.9 * cells <= s["n_cells"] <= 1.1 * cells]
-    return near[0] if near else None
-
-
 def scale_goals(run: dict, name: str) -> list[dict]:
     """Opening an atlas with read_deltacells in a fresh process (the median process)."""
     source = _source(name, run)
     rows = []
-    ten = _size_near(run, 1e7)
+    ten = size_near(run, 1e7)
     if ten is not None:
         names = ten["open_fresh"]["names"]
         # The strings' limit is that of pandas 2's index of Python strings; pandas 3 builds
@@ -124,7 +121,7 @@ def scale_goals(run: dict, name: str) -> list[dict]:
                           source, higher_is_better=False, rounds=names.get("s_all"),
                           limit=None if limit is None else limit["s"],
                           limit_what="making the 10M names' Python strings alone, s"))  # fmt: skip
-    hundred = _size_near(run, 1e8)
+    hundred = size_near(run, 1e8)
     # With obs names as strings the 100M goal cannot be met by any pandas index (its strings
     # alone pass 1 GB); bench_scale's own table gives that figure for comparison.
     step = None if hundred is None else hundred["open_fresh"].get("positions")

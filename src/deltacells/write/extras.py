@@ -80,7 +80,7 @@ class _Source:
     def layer_names(self) -> list[str]:
         if self.adata is not None:
             return layer_names(self.adata)
-        return list(self._group["layers"]) if "layers" in self._group else []
+        return group_layer_names(self._group)
 
     def layer(self, name: str) -> Any:
         if self.adata is not None:
@@ -118,6 +118,11 @@ class _Source:
         if self.adata is not None:
             return self.adata.raw is not None
         return has_raw(self._group)
+
+
+def group_layer_names(group: Any) -> list[str]:
+    """The layer names in a file's root group (none without a layers group)."""
+    return list(group["layers"]) if "layers" in group else []
 
 
 def has_raw(group: Any) -> bool:

@@ -285,7 +285,7 @@ def _layer_hint(count_layers: list[str], raw_counts: bool) -> str:
 
 def _file_layer_hint(path: Path) -> str:
     """:func:`_layer_hint` for a file: the first rows of each layer and of raw.X looked at."""
-    from deltacells.write.extras import has_raw
+    from deltacells.write.extras import group_layer_names, has_raw
 
     group, closers = _open_group(path)
     try:
@@ -293,7 +293,7 @@ def _file_layer_hint(path: Path) -> str:
             matrix = _matrix_of(elem)
             return sp.csr_matrix(matrix[: min(64, matrix.shape[0])])
 
-        layers = [name for name in (group["layers"] if "layers" in group else [])
+        layers = [name for name in group_layer_names(group)
                   if _looks_like_counts(first_rows(group["layers"][name]))]  # fmt: skip
         raw = has_raw(group) and _looks_like_counts(first_rows(group["raw"]["X"]))
         return _layer_hint(layers, raw)
@@ -331,19 +331,20 @@ def _open_group(path: Path) -> tuple[Any, list[Callable[[], None]]]:
 
 def _elements(group: Any, path: Path, layer: str | None, use_raw: bool) -> tuple[Any, Any]:
     """The counts element and its var group."""
-    from deltacells.write.extras import has_raw
+    from deltacells.write.extras import group_layer_names, has_raw
 
     if use_raw:
         if not has_raw(group):
             raise ValueError(f"{path}: use_raw=True but the file has no raw")
         return group["raw"]["X"], group["raw"]["var"]
-    layers = sorted(group["layers"].keys()) if "layers" in group else []
     if layer is not None:
+        layers = group_layer_names(group)
         if layer not in layers:
             raise KeyError(f"{path}: layer {layer!r} not found (layers: {layers})")
         return group["layers"][layer], group["var"]
     if "X" not in group:
-        raise ValueError(f"{path}: the file has no X" + _no_x_hint(layers, has_raw(group)))
+        raise ValueError(f"{path}: the file has no X"
+                         + _no_x_hint(group_layer_names(group), has_raw(group)))  # fmt: skip
     return group["X"], group["var"]
 
 
