@@ -14,14 +14,21 @@ PACKAGES = ("deltacells", "numpy", "scipy", "anndata", "zarr", "h5py", "zstandar
 
 def machine() -> dict:
     """CPU model, usable CPUs, Python, platform, libzstd/OpenMP/CRC of the build, versions."""
-    cpu = ""
+    cpu, fields = "", {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            if not line.strip():
+                break  # the first CPU's fields are enough
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+        cpu = fields.get("model name", "")
     except OSError:
         pass
+    # The model name alone does not tell CPU generations apart ("AMD EPYC" is both a Zen 3 and
+    # a Zen 5 here), and the row sort's speed depends on the vector extensions.
+    flags = set(fields.get("flags", "").split())
+    cpu_id = f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+    simd = [f for f in ("avx2", "avx512f", "avx512_vbmi2") if f in flags]
     from deltacells.codec import _checksum, _decode, _encode, _sortchoice
 
     versions = {}
@@ -33,6 +40,8 @@ def machine() -> dict:
     return {
         "date": datetime.date.today().isoformat(),
         "cpu": cpu,
+        "cpu_id": cpu_id,
+        "simd": simd,
         "usable_cpus": len(os.sched_getaffinity(0)),
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -100,7 +109,8 @@ def page_figure(n_panels: int = 1, panel_height: float = 3.0):
 def machine_label(results: dict) -> str:
     """The same machine line on every plot: CPU, usable CPUs, Python, date of the run."""
     m = results["machine"]
-    line = f"{m['cpu']}, {m['usable_cpus']} CPUs, Python {m['python']}"
+    cpu = f"{m['cpu']} ({m['cpu_id']})" if m.get("cpu_id") else m["cpu"]
+    line = f"{cpu}, {m['usable_cpus']} CPUs, Python {m['python']}"
     return line + (f", run on {m['date']}" if m.get("date") else "")
 
 

@@ -32,7 +32,8 @@ def _load(results: Path, name: str) -> dict | None:
 def _source(name: str, run: dict) -> str:
     m = run["machine"]
     packages = m.get("packages", {})
-    return (f"{name} ({m['cpu']}, Python {m['python']}, pandas {packages.get('pandas')}, "
+    cpu = f"{m['cpu']} {m['cpu_id']}" if m.get("cpu_id") else m["cpu"]
+    return (f"{name} ({cpu}, Python {m['python']}, pandas {packages.get('pandas')}, "
             f"{m.get('date', 'undated')})")  # fmt: skip
 
 

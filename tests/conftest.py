@@ -34,11 +34,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="module", params=["simd", "bitmap", "bitmap-scalar", "radix"])
+@pytest.fixture(
+    scope="module",
+    params=["simd16", "simd16-scalar", "simd", "bitmap", "bitmap-scalar", "radix"],
+)
 def row_sort(request):
-    """Every way the kernels sort renumbered rows (numpy's quicksort of 32-bit keys, the
-    bitmap of output columns renumbered eight entries at a time where the CPU has AVX2 or one
-    at a time, or the radix sort of 64-bit keys), for the tests that compare them."""
+    """Every way the kernels sort renumbered rows (numpy's quicksort of 16-bit columns with
+    its loops sixteen entries at a time where the CPU has AVX-512F or one at a time, numpy's
+    quicksort of 32-bit keys, the bitmap of output columns renumbered eight entries at a time
+    where the CPU has AVX2 or one at a time, or the radix sort of 64-bit keys), for the tests
+    that compare them."""
     from deltacells.codec import _sortchoice
 
     before = _sortchoice._use_row_sort(request.param.removesuffix("-scalar"))

@@ -395,10 +395,13 @@ def test_the_sort_limit_runs_the_row_steps_own_sort(row_sort):
 
 @pytest.mark.parametrize("dtype", [np.int32, np.float32, np.float64])
 @pytest.mark.parametrize("n_threads", [1, 2])
-def test_taken_rows_in_source_order_equal_scipy(dtype, n_threads):
+@pytest.mark.parametrize("misaligned", [False, True], ids=["lines alike", "values shifted"])
+def test_taken_rows_in_source_order_equal_scipy(row_sort, dtype, n_threads, misaligned):
     # The loader's source-order step (rows renumbered and sorted, the next row prefetched,
-    # the output streamed past the cache) against scipy's own column permutation; rows of
-    # 30-600 entries take the SIMD sort's path, a few short ones the insertion sort.
+    # the output streamed past the cache) against scipy's own column permutation, with every
+    # row sort; rows of 30-600 entries take the sorts' own paths, a few short ones the
+    # insertion sort. Rows start anywhere in a cache line; with the values shifted by one
+    # entry against the indices, "simd16" streams them one at a time instead of by lines.
     rng = np.random.default_rng(11)
     n_rows, n_cols = 300, 2_000
     lengths = np.where(rng.random(n_rows) < 0.1, rng.integers(0, 20, n_rows),
@@ -415,13 +418,36 @@ def test_taken_rows_in_source_order_equal_scipy(dtype, n_threads):
     out_indptr = np.concatenate([[0], np.cumsum(lengths[rows])]).astype(np.int64)
     # One spare entry past the end each side: nothing may be written there.
     out_idx = np.full(int(out_indptr[-1]) + 1, -7, np.int32)
-    out_val = np.full(int(out_indptr[-1]) + 1, -7, dtype)
+    out_val = np.full(int(out_indptr[-1]) + 2, -7, dtype)[int(misaligned):][: len(out_idx)]
     _rows.take_rows_into(indptr, indices, data, rows, positions, out_indptr, out_idx, out_val,
                          col_map, n_threads, True)  # fmt: skip
     expected = source[rows]
     np.testing.assert_array_equal(out_idx[:-1], expected.indices)
     np.testing.assert_array_equal(out_val[:-1], expected.data)
     assert out_idx[-1] == -7 and out_val[-1] == -7
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_taken_rows_refuse_two_columns_sent_to_one(row_sort, dtype):
+    # A map sending two of a row's columns to one place is refused by the streamed row step,
+    # whichever sort runs and wherever the pair lands in the sorted row: among its first
+    # entries, in the middle (whole cache lines with "simd16") and at its tail.
+    rng = np.random.default_rng(3)
+    n_cols, length = 4_000, 203
+    columns = np.sort(rng.choice(n_cols, length, replace=False)).astype(np.int32)
+    indptr = np.array([0, length], np.int64)
+    data = np.ones(length, dtype)
+    rows = positions = np.array([0], np.int64)
+    for first in (0, 1, 15, 100, length - 2):  # 15: across two lines of sixteen
+        col_map = rng.permutation(n_cols).astype(np.int64)
+        landing = np.sort(col_map[columns])
+        # the pair: the columns sorted at first and first + 1 both go to the first's place
+        pair = [columns[col_map[columns] == c][0] for c in landing[first : first + 2]]
+        col_map[pair[1]] = col_map[pair[0]]
+        out = (np.zeros(length, np.int32), np.zeros(length, dtype))
+        with pytest.raises(ValueError, match="two mapped to one place"):
+            _rows.take_rows_into(indptr, columns, data, rows, positions, indptr, *out, col_map,
+                                 1, True)  # fmt: skip
+
 
 def test_decoded_tiles_are_dropped_after_their_last_batch(pair, monkeypatch):
     from deltacells.train import loader as loader_module

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from itertools import pairwise
 
 import numpy as np
@@ -136,13 +137,15 @@ def test_either_row_sort_refuses_two_columns_sent_to_one(row_sort, n_genes, leng
                             np.ones(length, np.float32), col_map, n_genes)
 
 
-@pytest.mark.parametrize("vector", [True, False], ids=["eight at a time", "one at a time"])
-def test_bitmap_sort_renumbers_every_block_edge_alike(vector):
-    # The bitmap sort renumbers eight entries at a time (AVX2) and hands a block with a dropped
-    # column, or a column outside col_map, to the one-at-a-time loop: drops at a block's first,
-    # middle and last entry, a whole dropped block, a row's short tail, and a column past the
-    # map in the second block all give what the one-at-a-time loop gives (scipy's columns).
-    before = _sortchoice._use_row_sort("bitmap")
+@pytest.mark.parametrize("vector", [True, False], ids=["by blocks", "one at a time"])
+@pytest.mark.parametrize("sort", ["bitmap", "simd16"])
+def test_sorts_by_column_renumber_every_block_edge_alike(sort, vector):
+    # The bitmap sort renumbers eight entries at a time (AVX2), "simd16" sixteen (AVX-512F);
+    # both hand a block with a dropped column, or a column outside col_map, to the
+    # one-at-a-time loop: drops at a block's first, middle and last entry, whole dropped
+    # blocks, a row's short tail, and a column past the map in the second block of either
+    # width all give what the one-at-a-time loop gives (scipy's columns).
+    before = _sortchoice._use_row_sort(sort)
     vector_before = _sortchoice._use_bitmap_vector(vector)
     try:
         rng = np.random.default_rng(11)
@@ -150,8 +153,8 @@ def test_bitmap_sort_renumbers_every_block_edge_alike(vector):
         columns = np.sort(rng.choice(n_genes, length, replace=False)).astype(np.int32)
         values = np.arange(1, length + 1, dtype=np.float32)
         col_map = rng.permutation(n_genes).astype(np.int64)
-        for dropped in ([], [0], [8 + 3], [15], list(range(16, 24)), [length - 1],
-                        list(range(0, length, 7))):  # fmt: skip
+        for dropped in ([], [0], [8 + 3], [15], list(range(16, 24)), [16 + 5], [31],
+                        list(range(32, 48)), [length - 1], list(range(0, length, 7))):  # fmt: skip
             moved = col_map.copy()
             moved[columns[dropped]] = -1
             kept = np.flatnonzero(moved[columns] >= 0)
@@ -163,9 +166,9 @@ def test_bitmap_sort_renumbers_every_block_edge_alike(vector):
                 np.testing.assert_array_equal(got[2], values[kept][order])
         rows = np.array([0], np.int64)
         out = (np.zeros(length, np.int32), np.zeros(length, np.float32))
-        for past in (n_genes, 2**31 - 1):  # the first block is fine, the second is not
-            outside = columns.copy()
-            outside[8 + 5] = past
+        for past, at in itertools.product((n_genes, 2**31 - 1), (8 + 5, 16 + 5)):
+            outside = columns.copy()  # the first block is fine, the second is not
+            outside[at] = past
             with pytest.raises(ValueError, match="columns outside col_map"):
                 _rows.take_rows_into(np.array([0, length], np.int64), outside, values, rows,
                                      rows, np.array([0, length], np.int64), *out, col_map)
@@ -393,16 +396,18 @@ def test_row_sort_choice_from_the_environment(monkeypatch):
     from deltacells.codec import rowsort
 
     for value, expected in (("radix", "radix"), ("simd", "simd"), ("SIMD ", "simd"),
-                            ("bitmap", "bitmap")):  # fmt: skip
+                            ("bitmap", "bitmap"), ("simd16", "simd16")):  # fmt: skip
         monkeypatch.setenv(rowsort.ENV_VAR, value)
         assert rowsort.row_sort_wanted() == expected
     auto = "simd" if rowsort.numpy_sorts_with_avx512() else "bitmap"
+    if rowsort.numpy_sorts16_with_avx512():
+        auto = "simd16"
     monkeypatch.setenv(rowsort.ENV_VAR, "auto")
     assert rowsort.row_sort_wanted() == auto
     monkeypatch.setenv(rowsort.ENV_VAR, "fastest")
     with pytest.warns(RuntimeWarning, match="DELTACELLS_ROW_SORT='fastest'.*radix"):
         assert rowsort.row_sort_wanted() == auto
-    with pytest.raises(ValueError, match="'fastest' is not one of simd, bitmap, radix"):
+    with pytest.raises(ValueError, match="'fastest' is not one of simd16, simd, bitmap, radix"):
         _sortchoice._use_row_sort("fastest")
 
 

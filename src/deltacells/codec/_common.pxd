@@ -1,7 +1,7 @@
 """Declarations shared by the codec's kernel modules: the C helpers of ``kernels.h``, the
 chunk-table columns, the status codes written by parallel regions and the value types."""
 
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 
 
 cdef extern from "kernels.h" nogil:
@@ -26,8 +26,13 @@ cdef extern from "kernels.h" nogil:
         void* vals
         uint32_t n_cols
         int vector
+        dc_sort32_fn sort16
+        uint16_t* cols16
+        void* dense
+        int wide
     int dc_cpu_has_popcnt() noexcept nogil
     int dc_cpu_has_avx2() noexcept nogil
+    int dc_cpu_has_avx512f() noexcept nogil
     int dc_row_sort(const int32_t* idx, const uint32_t* val32, const double* val64, int64_t n,
                     const int32_t* col_map, uint32_t n_map, uint64_t* keys, uint64_t* spare,
                     double* held, int64_t capacity, dc_sort32_fn sort32, const dc_bitmap* bm,

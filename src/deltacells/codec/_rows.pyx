@@ -32,7 +32,7 @@ from deltacells.codec._rowsort cimport (
     row_to_mapped_order,
 )
 from deltacells.codec._sortchoice cimport (
-    row_sort32, row_sort_bitmap_cols, row_sort_bitmap_vector,
+    row_sort16, row_sort32, row_sort_bitmap_cols, row_sort_bitmap_vector,
 )
 
 
@@ -74,7 +74,7 @@ cdef void _remap_rows(const int64_t* indptr, const int32_t* indices, const value
     cdef int st
     cdef SortScratch sorting
     with parallel(num_threads=n_threads):
-        sorting = new_sort_scratch(capacity, sizeof(value_t) == 8, row_sort32(),
+        sorting = new_sort_scratch(capacity, sizeof(value_t) == 8, row_sort32(), row_sort16(),
                                    row_sort_bitmap_cols(n_cols),
                                    row_sort_bitmap_vector())
         for block in prange(n_blocks, schedule="dynamic"):
@@ -221,7 +221,7 @@ def take_rows_into(const int64_t[::1] indptr, const int32_t[::1] indices,
     if n_pos == 0:
         return
     with nogil, parallel(num_threads=n_threads):
-        sorting = new_sort_scratch(capacity, sizeof(value_t) == 8, row_sort32(),
+        sorting = new_sort_scratch(capacity, sizeof(value_t) == 8, row_sort32(), row_sort16(),
                                    row_sort_bitmap_cols(n_cols),
                                    row_sort_bitmap_vector())
         for k in prange(n_pos, schedule="dynamic", chunksize=64):
@@ -341,7 +341,7 @@ def sort_rows_only(const int64_t[::1] indptr, const int32_t[::1] indices,
     if n_rows == 0:
         return 0
     with nogil, parallel(num_threads=n_threads):
-        sorting = new_sort_scratch(longest, sizeof(value_t) == 8, row_sort32(),
+        sorting = new_sort_scratch(longest, sizeof(value_t) == 8, row_sort32(), row_sort16(),
                                    row_sort_bitmap_cols(n_cols),
                                    row_sort_bitmap_vector())
         out_idx = <int32_t*>malloc((longest + 1) * sizeof(int32_t))

@@ -1,11 +1,18 @@
 """Sorting one row's columns after renumbering them, shared by the decoder (reads in the
 source gene order) and the row kernels (writer gene order, joins, minibatches)."""
 
-from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc
 
 from deltacells.codec._common cimport (
-    E_CELL_RANGE, E_ZERO_GAP, OK, dc_bitmap, dc_row_sort, dc_sort32_fn, value_t,
+    E_CELL_RANGE,
+    E_ZERO_GAP,
+    OK,
+    dc_bitmap,
+    dc_cpu_has_avx512f,
+    dc_row_sort,
+    dc_sort32_fn,
+    value_t,
 )
 
 
@@ -15,7 +22,9 @@ cdef struct SortScratch:
     uint64_t* spare
     double* held  # float64 values wait here (the keys carry their positions); else NULL
     dc_sort32_fn sort32  # numpy's SIMD sort for narrow rows, or NULL (radix sort only)
-    dc_bitmap bitmap  # the bitmap sort's scratch (dc_row_sort_bitmap), when bitmap_cols
+    # The scratch of the sorts by output column, when bitmap_cols: dc_row_sort_dense16's with
+    # sort16 (rows of up to 65,536 columns), else dc_row_sort_bitmap's.
+    dc_bitmap bitmap
     bint use_bitmap
     int64_t capacity
     bint ready  # every buffer it needs was allocated
@@ -23,13 +32,16 @@ cdef struct SortScratch:
 
 cdef inline SortScratch new_sort_scratch(int64_t capacity, bint hold_values,
                                          dc_sort32_fn sort32,
+                                         dc_sort32_fn sort16,
                                          int64_t bitmap_cols,
                                          bint bitmap_vector) noexcept nogil:
     """Allocate one thread's sort scratch (check ``.ready``; free with ``free_sort_scratch``).
 
-    ``bitmap_cols`` > 0 (from ``row_sort_bitmap_cols``): rows may also be sorted by the bitmap
-    of that many output columns, renumbered eight entries at a time with ``bitmap_vector``
-    (from ``row_sort_bitmap_vector``)."""
+    ``bitmap_cols`` > 0 (from ``row_sort_bitmap_cols``): rows may also be sorted by output
+    column among that many: by numpy's uint16 sort with ``sort16`` (from ``row_sort16``; up
+    to 65,536 columns), else by the bitmap of the columns. With ``bitmap_vector`` (from
+    ``row_sort_bitmap_vector``) the bitmap's renumbering runs eight entries at a time (AVX2)
+    and the uint16 path's loops sixteen (AVX-512F), where the CPU has them."""
     cdef SortScratch s
     s.capacity = capacity
     s.sort32 = sort32
@@ -43,15 +55,24 @@ cdef inline SortScratch new_sort_scratch(int64_t capacity, bint hold_values,
     s.bitmap.ranks = NULL
     s.bitmap.cols = NULL
     s.bitmap.vals = NULL
-    if s.use_bitmap:
+    s.bitmap.sort16 = sort16 if s.use_bitmap and bitmap_cols <= 65536 else NULL
+    s.bitmap.cols16 = NULL
+    s.bitmap.dense = NULL
+    s.bitmap.wide = bitmap_vector and dc_cpu_has_avx512f() != 0
+    if s.bitmap.sort16 != NULL:
+        s.bitmap.cols16 = <uint16_t*>malloc((capacity + 1) * sizeof(uint16_t))
+        s.bitmap.dense = malloc(bitmap_cols * (8 if hold_values else 4))
+    elif s.use_bitmap:
         s.bitmap.bits = <uint64_t*>calloc(bitmap_cols // 64 + 1, sizeof(uint64_t))
         s.bitmap.ranks = <uint32_t*>malloc((bitmap_cols // 64 + 1) * sizeof(uint32_t))
         s.bitmap.cols = <uint32_t*>malloc((capacity + 1) * sizeof(uint32_t))
         s.bitmap.vals = malloc((capacity + 1) * (8 if hold_values else 4))
     s.ready = (s.keys != NULL and s.spare != NULL and (s.held != NULL or not hold_values)
-               and (not s.use_bitmap or (s.bitmap.bits != NULL and s.bitmap.ranks != NULL
-                                         and s.bitmap.cols != NULL
-                                         and s.bitmap.vals != NULL)))
+               and (not s.use_bitmap
+                    or (s.bitmap.sort16 != NULL and s.bitmap.cols16 != NULL
+                        and s.bitmap.dense != NULL)
+                    or (s.bitmap.bits != NULL and s.bitmap.ranks != NULL
+                        and s.bitmap.cols != NULL and s.bitmap.vals != NULL)))
     return s
 
 
@@ -63,6 +84,8 @@ cdef inline void free_sort_scratch(SortScratch* s) noexcept nogil:
     free(s.bitmap.ranks)
     free(s.bitmap.cols)
     free(s.bitmap.vals)
+    free(s.bitmap.cols16)
+    free(s.bitmap.dense)
 
 
 cdef inline int row_to_mapped_order(const int32_t* idx, const value_t* val, int64_t n,

@@ -1,8 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Which sort the kernels use for renumbered rows (see codec/rowsort.py), held in one place
-for every kernel module that renumbers rows: numpy's SIMD sort for narrow rows (or NULL),
-whether long rows may be sorted by a bitmap of their columns, and whether that bitmap sort
-renumbers eight entries at a time (AVX2). Tests and benchmarks switch between them."""
+for every kernel module that renumbers rows: numpy's SIMD sorts of 32-bit keys and of 16-bit
+columns (or NULL), whether long rows may be sorted by a bitmap of their columns, and whether
+those sorts' loops may use AVX2 / AVX-512F. Tests and benchmarks switch between them."""
 
 from libc.stdint cimport int64_t
 
@@ -31,9 +31,18 @@ cdef dc_sort32_fn numpy_sort32(bint wanted) noexcept:
 
 # The sort for renumbered rows (see codec/rowsort.py): numpy's SIMD sort for narrow rows (or
 # NULL), and whether long rows may be sorted by a bitmap of their columns instead.
+cdef dc_sort32_fn numpy_sort16(bint wanted) noexcept:
+    """numpy's quicksort of uint16 (x86-simd-sort's AVX-512 code where the CPU has
+    AVX512-VBMI2) when ``wanted``, else NULL."""
+    if not wanted:
+        return NULL
+    return <dc_sort32_fn>PyDataType_GetArrFuncs(cnp.PyArray_DescrFromType(cnp.NPY_UINT16)).sort[0]
+
+
 cdef str _row_sort = row_sort_wanted()
-cdef dc_sort32_fn _sort32 = numpy_sort32(_row_sort == "simd")
-cdef bint _bitmap_rows = _row_sort == "bitmap"
+cdef dc_sort32_fn _sort32 = numpy_sort32(_row_sort in ("simd", "simd16"))
+cdef dc_sort32_fn _sort16 = numpy_sort16(_row_sort == "simd16")
+cdef bint _bitmap_rows = _row_sort in ("bitmap", "simd16")
 # The bitmap sort counts bits with popcnt: without it (x86-64 CPUs before 2008) the radix
 # sort runs instead.
 cdef bint _has_popcnt = dc_cpu_has_popcnt() != 0
@@ -50,9 +59,15 @@ cdef dc_sort32_fn row_sort32() noexcept nogil:
     return _sort32
 
 
+cdef dc_sort32_fn row_sort16() noexcept nogil:
+    """numpy's uint16 sort for rows of up to 65,536 output columns (``"simd16"``), or NULL."""
+    return _sort16
+
+
 cdef int64_t row_sort_bitmap_cols(int64_t n_cols) noexcept nogil:
-    """``n_cols`` when rows renumbered into that many columns may take the bitmap sort (the
-    ``bitmap_cols`` of ``new_sort_scratch``), else 0."""
+    """``n_cols`` when rows renumbered into that many columns may take the bitmap sort or
+    (``"simd16"``) numpy's uint16 sort of their columns (the ``bitmap_cols`` of
+    ``new_sort_scratch``), else 0."""
     return n_cols if _bitmap_rows and _has_popcnt and 0 < n_cols <= BITMAP_MAX_COLS else 0
 
 
@@ -62,8 +77,9 @@ cdef bint row_sort_bitmap_vector() noexcept nogil:
 
 
 def _use_bitmap_vector(wanted=None):
-    """Let the bitmap sort renumber rows with AVX2 (True, where the CPU has it) or one entry
-    at a time (False) from now on, or keep the choice (None); tests compare the two.
+    """Let the bitmap sort renumber rows with AVX2 and the ``"simd16"`` sort run its loops
+    with AVX-512F (True, where the CPU has them) or one entry at a time (False) from now on,
+    or keep the choice (None); tests compare the two.
     Returns the previous choice."""
     global _bitmap_vector
     previous = bool(_bitmap_vector)
@@ -73,15 +89,16 @@ def _use_bitmap_vector(wanted=None):
 
 
 def _use_row_sort(name=None):
-    """Sort renumbered rows with ``"simd"`` (numpy's quicksort), ``"bitmap"`` or ``"radix"``
-    from now on, in every kernel module, or keep the choice (None); tests and benchmarks
-    compare them. Returns the previous choice."""
-    global _row_sort, _sort32, _bitmap_rows
+    """Sort renumbered rows with ``"simd16"`` or ``"simd"`` (numpy's quicksort of 16- or
+    32-bit keys), ``"bitmap"`` or ``"radix"`` from now on, in every kernel module, or keep the
+    choice (None); tests and benchmarks compare them. Returns the previous choice."""
+    global _row_sort, _sort32, _sort16, _bitmap_rows
     previous = _row_sort
     if name is not None:
         if name not in ROW_SORTS:
             raise ValueError(f"row sort {name!r} is not one of {', '.join(ROW_SORTS)}")
         _row_sort = name
-        _sort32 = numpy_sort32(name == "simd")
-        _bitmap_rows = name == "bitmap"
+        _sort32 = numpy_sort32(name in ("simd", "simd16"))
+        _sort16 = numpy_sort16(name == "simd16")
+        _bitmap_rows = name in ("bitmap", "simd16")
     return previous
