@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import deltacells as dc
-from deltacells.codec import _rows, _sortchoice
+from deltacells.codec import _rows, _sortchoice, rowsort
 from deltacells.codec._decode import ColumnMap
 from deltacells.codec.scatter import gather_tiles_into_many
 from deltacells.codec.tile import gather_tiles_into, stable_order
@@ -140,11 +140,12 @@ def test_either_row_sort_refuses_two_columns_sent_to_one(row_sort, n_genes, leng
 @pytest.mark.parametrize("vector", [True, False], ids=["by blocks", "one at a time"])
 @pytest.mark.parametrize("sort", ["bitmap", "simd16"])
 def test_sorts_by_column_renumber_every_block_edge_alike(sort, vector):
-    # The bitmap sort renumbers eight entries at a time (AVX2), "simd16" sixteen (AVX-512F);
-    # both hand a block with a dropped column, or a column outside col_map, to the
-    # one-at-a-time loop: drops at a block's first, middle and last entry, whole dropped
-    # blocks, a row's short tail, and a column past the map in the second block of either
-    # width all give what the one-at-a-time loop gives (scipy's columns).
+    # The bitmap sort renumbers eight entries at a time (AVX2) and hands a block with a
+    # dropped column, or a column outside col_map, to the one-at-a-time loop; "simd16" reads
+    # values back sixteen at a time (AVX-512F) after a tail of dropped entries shortens the
+    # row. Drops at a block's first, middle and last entry, whole dropped blocks, a row's
+    # short tail, and a column past the map in the second block of either width all give
+    # what the one-at-a-time loops give (scipy's columns).
     before = _sortchoice._use_row_sort(sort)
     vector_before = _sortchoice._use_bitmap_vector(vector)
     try:
@@ -393,8 +394,6 @@ def test_row_sort_choice_from_the_environment(monkeypatch):
     # DELTACELLS_ROW_SORT picks the sort; "auto" asks numpy whether it sorts with AVX-512 (and
     # takes the bitmap sort where it does not); a value that is none of these is named in a
     # warning and "auto" is used; the kernels refuse an unknown name.
-    from deltacells.codec import rowsort
-
     for value, expected in (("radix", "radix"), ("simd", "simd"), ("SIMD ", "simd"),
                             ("bitmap", "bitmap"), ("simd16", "simd16")):  # fmt: skip
         monkeypatch.setenv(rowsort.ENV_VAR, value)
@@ -409,6 +408,17 @@ def test_row_sort_choice_from_the_environment(monkeypatch):
         assert rowsort.row_sort_wanted() == auto
     with pytest.raises(ValueError, match="'fastest' is not one of simd16, simd, bitmap, radix"):
         _sortchoice._use_row_sort("fastest")
+
+
+def test_gathers_slowed_reads_linuxs_report(tmp_path):
+    # "simd16" reads values back one at a time where Linux reports the Gather Data Sampling
+    # mitigation (gathers several times slower), sixteen at a time elsewhere.
+    report = tmp_path / "gather_data_sampling"
+    for text, slowed in (("Mitigation: Microcode\n", True), ("Not affected\n", False),
+                         ("Vulnerable\n", False)):  # fmt: skip
+        report.write_text(text)
+        assert rowsort.gathers_slowed(str(report)) is slowed
+    assert rowsort.gathers_slowed(str(tmp_path / "missing")) is False
 
 
 @PROFILE

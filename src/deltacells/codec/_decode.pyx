@@ -46,7 +46,7 @@ from deltacells.codec._common cimport (
     dc_chunk_gaps,
 )
 from deltacells.codec._sortchoice cimport (
-    row_sort16, row_sort32, row_sort_bitmap_cols, row_sort_bitmap_vector,
+    row_sort16, row_sort32, row_sort_bitmap_cols, row_sort_vector_level,
 )
 from deltacells.codec._rowsort cimport (
     SortScratch,
@@ -561,7 +561,7 @@ cdef void _decode_jobs(const TileRef* tiles, const int64_t* job_tiles, int64_t n
         chunk = <Chunk*>malloc(2 * sizeof(Chunk))
         sorting = new_sort_scratch(capacity if col_map != NULL else 0, sizeof(value_t) == 8,
                                    row_sort32(), row_sort16(), row_sort_bitmap_cols(n_genes),
-                                   row_sort_bitmap_vector())
+                                   row_sort_vector_level())
         row_idx = <int32_t*>malloc((capacity + 1) * sizeof(int32_t)) if by_row else NULL
         row_val = <value_t*>malloc((capacity + 1) * sizeof(value_t)) if by_row else NULL
         for g in prange(n_jobs, schedule="dynamic"):

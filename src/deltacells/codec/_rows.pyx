@@ -32,7 +32,7 @@ from deltacells.codec._rowsort cimport (
     row_to_mapped_order,
 )
 from deltacells.codec._sortchoice cimport (
-    row_sort16, row_sort32, row_sort_bitmap_cols, row_sort_bitmap_vector,
+    row_sort16, row_sort32, row_sort_bitmap_cols, row_sort_vector_level,
 )
 
 
@@ -76,7 +76,7 @@ cdef void _remap_rows(const int64_t* indptr, const int32_t* indices, const value
     with parallel(num_threads=n_threads):
         sorting = new_sort_scratch(capacity, sizeof(value_t) == 8, row_sort32(), row_sort16(),
                                    row_sort_bitmap_cols(n_cols),
-                                   row_sort_bitmap_vector())
+                                   row_sort_vector_level())
         for block in prange(n_blocks, schedule="dynamic"):
             if not sorting.ready:
                 status[block] = E_NOMEM
@@ -223,7 +223,7 @@ def take_rows_into(const int64_t[::1] indptr, const int32_t[::1] indices,
     with nogil, parallel(num_threads=n_threads):
         sorting = new_sort_scratch(capacity, sizeof(value_t) == 8, row_sort32(), row_sort16(),
                                    row_sort_bitmap_cols(n_cols),
-                                   row_sort_bitmap_vector())
+                                   row_sort_vector_level())
         for k in prange(n_pos, schedule="dynamic", chunksize=64):
             j = positions[k]
             r = rows[j]
@@ -343,7 +343,7 @@ def sort_rows_only(const int64_t[::1] indptr, const int32_t[::1] indices,
     with nogil, parallel(num_threads=n_threads):
         sorting = new_sort_scratch(longest, sizeof(value_t) == 8, row_sort32(), row_sort16(),
                                    row_sort_bitmap_cols(n_cols),
-                                   row_sort_bitmap_vector())
+                                   row_sort_vector_level())
         out_idx = <int32_t*>malloc((longest + 1) * sizeof(int32_t))
         out_val = <value_t*>malloc((longest + 1) * sizeof(value_t))
         for k in prange(n_rows, schedule="dynamic", chunksize=64):

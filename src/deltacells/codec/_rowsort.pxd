@@ -9,7 +9,7 @@ from deltacells.codec._common cimport (
     E_ZERO_GAP,
     OK,
     dc_bitmap,
-    dc_cpu_has_avx512f,
+    dc_cpu_has_avx2,
     dc_row_sort,
     dc_sort32_fn,
     value_t,
@@ -34,14 +34,14 @@ cdef inline SortScratch new_sort_scratch(int64_t capacity, bint hold_values,
                                          dc_sort32_fn sort32,
                                          dc_sort32_fn sort16,
                                          int64_t bitmap_cols,
-                                         bint bitmap_vector) noexcept nogil:
+                                         int vector_level) noexcept nogil:
     """Allocate one thread's sort scratch (check ``.ready``; free with ``free_sort_scratch``).
 
     ``bitmap_cols`` > 0 (from ``row_sort_bitmap_cols``): rows may also be sorted by output
     column among that many: by numpy's uint16 sort with ``sort16`` (from ``row_sort16``; up
-    to 65,536 columns), else by the bitmap of the columns. With ``bitmap_vector`` (from
-    ``row_sort_bitmap_vector``) the bitmap's renumbering runs eight entries at a time (AVX2)
-    and the uint16 path's loops sixteen (AVX-512F), where the CPU has them."""
+    to 65,536 columns), else by the bitmap of the columns. ``vector_level`` (from
+    ``row_sort_vector_level``): at 1 the bitmap's renumbering runs eight entries at a time
+    (AVX2), at 2 the uint16 path also reads values back sixteen at a time (AVX-512F)."""
     cdef SortScratch s
     s.capacity = capacity
     s.sort32 = sort32
@@ -50,7 +50,7 @@ cdef inline SortScratch new_sort_scratch(int64_t capacity, bint hold_values,
     s.held = <double*>malloc((capacity + 1) * sizeof(double)) if hold_values else NULL
     s.use_bitmap = capacity > 0 and bitmap_cols > 0
     s.bitmap.n_cols = <uint32_t>bitmap_cols if s.use_bitmap else 0
-    s.bitmap.vector = bitmap_vector
+    s.bitmap.vector = vector_level >= 1 and dc_cpu_has_avx2() != 0
     s.bitmap.bits = NULL
     s.bitmap.ranks = NULL
     s.bitmap.cols = NULL
@@ -58,7 +58,7 @@ cdef inline SortScratch new_sort_scratch(int64_t capacity, bint hold_values,
     s.bitmap.sort16 = sort16 if s.use_bitmap and bitmap_cols <= 65536 else NULL
     s.bitmap.cols16 = NULL
     s.bitmap.dense = NULL
-    s.bitmap.wide = bitmap_vector and dc_cpu_has_avx512f() != 0
+    s.bitmap.wide = vector_level >= 2
     if s.bitmap.sort16 != NULL:
         s.bitmap.cols16 = <uint16_t*>malloc((capacity + 1) * sizeof(uint16_t))
         s.bitmap.dense = malloc(bitmap_cols * (8 if hold_values else 4))

@@ -8,8 +8,13 @@ from libc.stdint cimport int64_t
 
 cimport numpy as cnp
 
-from deltacells.codec._common cimport dc_cpu_has_avx2, dc_cpu_has_popcnt, dc_sort32_fn
-from deltacells.codec.rowsort import ROW_SORTS, row_sort_wanted
+from deltacells.codec._common cimport (
+    dc_cpu_has_avx2,
+    dc_cpu_has_avx512f,
+    dc_cpu_has_popcnt,
+    dc_sort32_fn,
+)
+from deltacells.codec.rowsort import ROW_SORTS, gathers_slowed, row_sort_wanted
 
 
 cdef extern from "numpy/arrayobject.h":
@@ -48,6 +53,9 @@ cdef bint _bitmap_rows = _row_sort in ("bitmap", "simd16")
 cdef bint _has_popcnt = dc_cpu_has_popcnt() != 0
 # Its renumbering runs eight entries at a time where the CPU has AVX2 (same output).
 cdef bint _bitmap_vector = dc_cpu_has_avx2() != 0
+# The "simd16" sort reads values back sixteen at a time with AVX-512 gathers, unless a
+# microcode mitigation makes gathers slow (same output).
+cdef bint _fast_wide_gathers = dc_cpu_has_avx512f() != 0 and not gathers_slowed()
 
 cdef enum:
     # The widest bitmap sort: its scratch is 12 bytes per 64 columns per thread (48 KB here).
@@ -71,9 +79,13 @@ cdef int64_t row_sort_bitmap_cols(int64_t n_cols) noexcept nogil:
     return n_cols if _bitmap_rows and _has_popcnt and 0 < n_cols <= BITMAP_MAX_COLS else 0
 
 
-cdef bint row_sort_bitmap_vector() noexcept nogil:
-    """Whether the bitmap sort renumbers rows eight entries at a time (AVX2)."""
-    return _bitmap_vector
+cdef int row_sort_vector_level() noexcept nogil:
+    """How the sorts' loops may run (the ``vector_level`` of ``new_sort_scratch``): 0 one
+    entry at a time, 1 the bitmap's renumbering eight at a time (AVX2), 2 that and the
+    ``"simd16"`` sort's reading back sixteen at a time (AVX-512F gathers)."""
+    if not _bitmap_vector:
+        return 0
+    return 2 if _fast_wide_gathers else 1
 
 
 def _use_bitmap_vector(wanted=None):
@@ -84,7 +96,8 @@ def _use_bitmap_vector(wanted=None):
     global _bitmap_vector
     previous = bool(_bitmap_vector)
     if wanted is not None:
-        _bitmap_vector = bool(wanted) and dc_cpu_has_avx2() != 0
+        _bitmap_vector = bool(wanted) and (dc_cpu_has_avx2() != 0
+                                           or dc_cpu_has_avx512f() != 0)
     return previous
 
 

@@ -6,10 +6,11 @@ them, in one of four ways, all with the same output:
 - ``"simd16"``: rows of datasets of up to 65,536 genes park each value at its column in a
   dense per-thread array and sort just the columns, as uint16, with numpy's quicksort (which
   runs x86-simd-sort's AVX-512 code on CPUs with AVX512-VBMI2: 0.56 ns an entry for rows of
-  800, against 1.33 for 32-bit keys); the values are then read back in column order, sixteen
-  at a time with AVX-512F, and streamed into minibatches. On an AVX-512 Zen 5, loader epochs
-  about 10% faster than ``"simd"`` and ``to_memory()`` 5-8% (alternating rounds in one
-  process; ``docs/benchmarks.md``).
+  800, against 1.33 for 32-bit keys). The values are then read back in column order, sixteen
+  at a time with AVX-512F gathers (one at a time where Linux reports the gathers slowed by
+  the Gather Data Sampling mitigation: :func:`gathers_slowed`), and streamed into
+  minibatches. On an AVX-512 Zen 5, loader epochs about 10% faster than ``"simd"`` and
+  ``to_memory()`` 5-8% (alternating rounds in one process; ``docs/benchmarks.md``).
 - ``"simd"``: rows whose columns fit in 16 bits are sorted as 32-bit keys (column above the
   entry's position in the row) by numpy's quicksort, AVX-512 where the CPU has it: about
   2.3 ns an entry against 3.4 for the radix sort (rows of ~760 entries, Intel AVX-512).
@@ -36,10 +37,16 @@ import warnings
 __all__ = [
     "ENV_VAR",
     "ROW_SORTS",
+    "gathers_slowed",
     "numpy_sorts16_with_avx512",
     "numpy_sorts_with_avx512",
     "row_sort_wanted",
 ]
+
+# Where Linux says whether the CPU's vector gathers run under the microcode mitigation for
+# Gather Data Sampling ("Downfall", Intel Skylake to Ice Lake / Tiger Lake), which makes
+# them several times slower.
+GATHER_SAMPLING = "/sys/devices/system/cpu/vulnerabilities/gather_data_sampling"
 
 ENV_VAR = "DELTACELLS_ROW_SORT"
 ROW_SORTS = ("simd16", "simd", "bitmap", "radix")
@@ -62,6 +69,17 @@ def numpy_sorts16_with_avx512() -> bool:
     """Whether numpy's quicksort of 16-bit integers runs AVX-512 code on this CPU (its
     x86-simd-sort dispatch needs AVX512_ICL, which includes VBMI2)."""
     return bool(_cpu_features().get("AVX512_ICL"))
+
+
+def gathers_slowed(path: str = GATHER_SAMPLING) -> bool:
+    """Whether this CPU's vector gathers run under a microcode mitigation (Linux's report
+    starts with "Mitigation"): then the ``"simd16"`` sort reads values back one at a time
+    instead of sixteen at a time with AVX-512 gathers (the same output)."""
+    try:
+        with open(path) as report:
+            return report.read().strip().startswith("Mitigation")
+    except OSError:
+        return False
 
 
 def row_sort_wanted() -> str:
