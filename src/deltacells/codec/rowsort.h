@@ -130,23 +130,14 @@ static inline int dc_cpu_has_popcnt(void) {
 static inline int dc_cpu_has_popcnt(void) { return 1; }
 #endif
 
-static inline int dc_cpu_has_avx2(void) {
+/* Whether the CPU running this has a vector extension (gcc's names), for the sorts' loops. */
 #if defined(DC_X86_DISPATCH)
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") != 0;
+#define DC_CPU_SUPPORTS(feature) (__builtin_cpu_init(), __builtin_cpu_supports(feature) != 0)
 #else
-    return 0;
+#define DC_CPU_SUPPORTS(feature) 0
 #endif
-}
-
-static inline int dc_cpu_has_avx512f(void) {
-#if defined(DC_X86_DISPATCH)
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") != 0;
-#else
-    return 0;
-#endif
-}
+static inline int dc_cpu_has_avx2(void) { return DC_CPU_SUPPORTS("avx2"); }
+static inline int dc_cpu_has_avx512f(void) { return DC_CPU_SUPPORTS("avx512f"); }
 
 /* The bitmap sort's first step for input entries [i, end): each kept entry's new column goes
    to cols[o], its value to vals, and lo / hi follow the smallest and largest column. Returns
