@@ -83,7 +83,7 @@ def gathers_slowed(path: str = GATHER_SAMPLING) -> bool:
 
 
 def row_sort_wanted() -> str:
-    """The sort for this process (one of :data:`ROW_SORTS`): ``DELTACELLS_ROW_SORT``, or
+    """The sort for this process (one of ``ROW_SORTS``): ``DELTACELLS_ROW_SORT``, or
     ``auto``'s CPU check."""
     choice = os.environ.get(ENV_VAR, "auto").strip().lower()
     if choice != "auto" and choice not in ROW_SORTS:
