@@ -47,10 +47,10 @@ def row_sort(request):
     from deltacells.codec import _sortchoice
 
     before = _sortchoice._use_row_sort(request.param.removesuffix("-scalar"))
-    vector_before = _sortchoice._use_bitmap_vector(not request.param.endswith("-scalar"))
+    vector_before = _sortchoice._use_vector_loops(not request.param.endswith("-scalar"))
     yield request.param
     _sortchoice._use_row_sort(before)
-    _sortchoice._use_bitmap_vector(vector_before)
+    _sortchoice._use_vector_loops(vector_before)
 
 
 def spatial_counts(n_cells: int, n_genes: int, *, extent: float, max_count: int, seed: int,

@@ -147,7 +147,7 @@ def test_sorts_by_column_renumber_every_block_edge_alike(sort, vector):
     # short tail, and a column past the map in the second block of either width all give
     # what the one-at-a-time loops give (scipy's columns).
     before = _sortchoice._use_row_sort(sort)
-    vector_before = _sortchoice._use_bitmap_vector(vector)
+    vector_before = _sortchoice._use_vector_loops(vector)
     try:
         rng = np.random.default_rng(11)
         n_genes, length = 2_000, 203  # 25 blocks of eight and a tail of three
@@ -175,7 +175,7 @@ def test_sorts_by_column_renumber_every_block_edge_alike(sort, vector):
                                      rows, np.array([0, length], np.int64), *out, col_map)
     finally:
         _sortchoice._use_row_sort(before)
-        _sortchoice._use_bitmap_vector(vector_before)
+        _sortchoice._use_vector_loops(vector_before)
 
 
 @PROFILE

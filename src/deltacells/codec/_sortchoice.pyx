@@ -51,11 +51,11 @@ cdef bint _bitmap_rows = _row_sort in ("bitmap", "simd16")
 # The bitmap sort counts bits with popcnt: without it (x86-64 CPUs before 2008) the radix
 # sort runs instead.
 cdef bint _has_popcnt = dc_cpu_has_popcnt() != 0
-# Its renumbering runs eight entries at a time where the CPU has AVX2 (same output).
-cdef bint _bitmap_vector = dc_cpu_has_avx2() != 0
-# The "simd16" sort reads values back sixteen at a time with AVX-512 gathers, unless a
-# microcode mitigation makes gathers slow (same output).
-cdef bint _fast_wide_gathers = dc_cpu_has_avx512f() != 0 and not gathers_slowed()
+# The sorts' vector loops gather from memory: the bitmap's renumbering eight entries at a time
+# (AVX2), "simd16"'s reading back sixteen at a time (AVX-512F). Where Linux reports a
+# microcode mitigation that slows gathers, they run one entry at a time (same output).
+cdef bint _has_avx512f = dc_cpu_has_avx512f() != 0
+cdef bint _vector_loops = dc_cpu_has_avx2() != 0 and not gathers_slowed()
 
 cdef enum:
     # The widest bitmap sort: its scratch is 12 bytes per 64 columns per thread (48 KB here).
@@ -83,21 +83,20 @@ cdef int row_sort_vector_level() noexcept nogil:
     """How the sorts' loops may run (the ``vector_level`` of ``new_sort_scratch``): 0 one
     entry at a time, 1 the bitmap's renumbering eight at a time (AVX2), 2 that and the
     ``"simd16"`` sort's reading back sixteen at a time (AVX-512F gathers)."""
-    if not _bitmap_vector:
+    if not _vector_loops:
         return 0
-    return 2 if _fast_wide_gathers else 1
+    return 2 if _has_avx512f else 1
 
 
-def _use_bitmap_vector(wanted=None):
-    """Let the bitmap sort renumber rows with AVX2 and the ``"simd16"`` sort run its loops
-    with AVX-512F (True, where the CPU has them) or one entry at a time (False) from now on,
-    or keep the choice (None); tests compare the two.
+def _use_vector_loops(wanted=None):
+    """Let the bitmap sort renumber rows with AVX2 and the ``"simd16"`` sort read values back
+    with AVX-512F (True, where the CPU has them, gathers slowed or not) or run both one entry
+    at a time (False) from now on, or keep the choice (None); tests compare the two.
     Returns the previous choice."""
-    global _bitmap_vector
-    previous = bool(_bitmap_vector)
+    global _vector_loops
+    previous = bool(_vector_loops)
     if wanted is not None:
-        _bitmap_vector = bool(wanted) and (dc_cpu_has_avx2() != 0
-                                           or dc_cpu_has_avx512f() != 0)
+        _vector_loops = bool(wanted) and dc_cpu_has_avx2() != 0
     return previous
 
 

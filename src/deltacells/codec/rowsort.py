@@ -18,8 +18,8 @@ them, in one of four ways, all with the same output:
   bitmap of the output columns; each entry then goes straight to its place (the bits before
   it, counted with popcnt): about 4 ns an entry against 9 for the radix sort on an AVX2 Zen 3
   (rows of ~790 entries of 33,539 genes), whose renumbering gathers eight entries at a time
-  with AVX2 where the CPU has it. x86-64 CPUs without popcnt (before 2008) run the radix sort
-  instead.
+  with AVX2 where the CPU has it (one at a time where :func:`gathers_slowed`). x86-64 CPUs
+  without popcnt (before 2008) run the radix sort instead.
 - ``"radix"``: the kernels' own LSD radix sort; also what the others fall back to for the
   rows they do not take.
 
@@ -74,7 +74,8 @@ def numpy_sorts16_with_avx512() -> bool:
 def gathers_slowed(path: str = GATHER_SAMPLING) -> bool:
     """Whether this CPU's vector gathers run under a microcode mitigation (Linux's report
     starts with "Mitigation"): then the ``"simd16"`` sort reads values back one at a time
-    instead of sixteen at a time with AVX-512 gathers (the same output)."""
+    instead of sixteen at a time with AVX-512 gathers, and the bitmap sort renumbers one entry
+    at a time instead of eight with AVX2 gathers (the same output)."""
     try:
         with open(path) as report:
             return report.read().strip().startswith("Mitigation")
