@@ -90,10 +90,11 @@ static inline int dc_row_sort_narrow(const int32_t* idx, const uint32_t* val32,
     return 0;
 }
 
-/* One thread's scratch for dc_row_sort_bitmap: a bit per output column (all zero between
-   rows), a count per 64-column word, and the row's kept columns and values in input order
-   (capacity + 1 of each; values as uint32_t, or double when the row's values are); with
-   vector set (dc_cpu_has_avx2), the renumbering runs eight entries at a time. */
+/* One thread's scratch for the sorts by output column. dc_row_sort_bitmap's: a bit per
+   output column (all zero between rows), a count per 64-column word, and the row's kept
+   columns and values in input order (capacity + 1 of each; values as uint32_t, or double when
+   the row's values are); with vector set (AVX2, gathers not slowed), the renumbering runs
+   eight entries at a time. */
 typedef struct {
     uint64_t* bits;
     uint32_t* ranks;
@@ -428,9 +429,10 @@ static int dc_row_sort_dense16(const int32_t* idx, const uint32_t* val32, const 
 }
 
 /* One row's columns through col_map (-1 drops), sorted, with their 32-bit values (the
-   bits of an int32 or float32) or, with held != NULL, their float64 values. With bm, rows of
-   more than 24 entries and at least one for every eight words of the bitmap are sorted by
-   dc_row_sort_bitmap. With sort32 (see dc_row_sort_narrow) rows of more than 24 entries of
+   bits of an int32 or float32) or, with held != NULL, their float64 values. With bm and its
+   sort16, rows of more than 24 entries are sorted by dc_row_sort_dense16 (numpy's uint16
+   sort of the columns alone); with bm without sort16, rows of more than 24 entries and at
+   least one for every eight words of the bitmap are sorted by dc_row_sort_bitmap. With sort32 (see dc_row_sort_narrow) rows of more than 24 entries of
    narrow columns take 32-bit keys sorted by it: 2.3 ns an entry against 3.4 for the radix
    sort below (rows of ~760 entries, AVX-512), the same output. Otherwise each kept
    entry becomes a 64-bit key, new column above payload (the value's bits, or its index in
@@ -441,10 +443,10 @@ static int dc_row_sort_dense16(const int32_t* idx, const uint32_t* val32, const 
    Works in place (out == in): everything is read before anything is written. Returns 0,
    1 for a column >= n_map (before writing anything), 2 for two columns mapped to one place
    (equal neighbours once sorted, found while writing, or more kept entries than capacity
-   when that is the number of output columns). With stream, the narrow path writes a row
-   that is not sorted in place with non-temporal stores: for outputs written once and read
-   later by someone else (a minibatch), which then skip the cache and its read for ownership
-   (callers run dc_store_fence before other threads read them). */
+   when that is the number of output columns). With stream, the narrow and dense16 paths
+   write a row that is not sorted in place with non-temporal stores: for outputs written once
+   and read later by someone else (a minibatch), which then skip the cache and its read for
+   ownership (callers run dc_store_fence before other threads read them). */
 static inline int dc_row_sort(const int32_t* idx, const uint32_t* val32, const double* val64,
                               int64_t n, const int32_t* col_map, uint32_t n_map,
                               uint64_t* keys, uint64_t* spare, double* held,
