@@ -9,7 +9,6 @@ from deltacells.codec._common cimport (
     E_ZERO_GAP,
     OK,
     dc_bitmap,
-    dc_cpu_has_avx2,
     dc_row_sort,
     dc_sort32_fn,
     value_t,
@@ -50,7 +49,7 @@ cdef inline SortScratch new_sort_scratch(int64_t capacity, bint hold_values,
     s.held = <double*>malloc((capacity + 1) * sizeof(double)) if hold_values else NULL
     s.use_bitmap = capacity > 0 and bitmap_cols > 0
     s.bitmap.n_cols = <uint32_t>bitmap_cols if s.use_bitmap else 0
-    s.bitmap.vector = vector_level >= 1 and dc_cpu_has_avx2() != 0
+    s.bitmap.vector = vector_level >= 1
     s.bitmap.bits = NULL
     s.bitmap.ranks = NULL
     s.bitmap.cols = NULL

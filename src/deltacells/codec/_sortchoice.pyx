@@ -26,28 +26,20 @@ cdef extern from "numpy/arrayobject.h":
 cnp.import_array()
 
 
-cdef dc_sort32_fn numpy_sort32(bint wanted) noexcept:
-    """numpy's quicksort of uint32 (x86-simd-sort's AVX-512 code where the CPU has it) when
-    ``wanted``, else NULL (the radix sort)."""
+cdef dc_sort32_fn numpy_sort(bint wanted, int type_num) noexcept:
+    """numpy's quicksort of ``type_num`` (uint32 or uint16; x86-simd-sort's AVX-512 code where
+    the CPU has it, AVX512-VBMI2 for uint16) when ``wanted``, else NULL."""
     if not wanted:
         return NULL
-    return <dc_sort32_fn>PyDataType_GetArrFuncs(cnp.PyArray_DescrFromType(cnp.NPY_UINT32)).sort[0]
+    return <dc_sort32_fn>PyDataType_GetArrFuncs(cnp.PyArray_DescrFromType(type_num)).sort[0]
 
 
-# The sort for renumbered rows (see codec/rowsort.py): numpy's SIMD sort for narrow rows (or
-# NULL), and whether long rows may be sorted by a bitmap of their columns instead.
-cdef dc_sort32_fn numpy_sort16(bint wanted) noexcept:
-    """numpy's quicksort of uint16 (x86-simd-sort's AVX-512 code where the CPU has
-    AVX512-VBMI2) when ``wanted``, else NULL."""
-    if not wanted:
-        return NULL
-    return <dc_sort32_fn>PyDataType_GetArrFuncs(cnp.PyArray_DescrFromType(cnp.NPY_UINT16)).sort[0]
-
-
-cdef str _row_sort = row_sort_wanted()
-cdef dc_sort32_fn _sort32 = numpy_sort32(_row_sort in ("simd", "simd16"))
-cdef dc_sort32_fn _sort16 = numpy_sort16(_row_sort == "simd16")
-cdef bint _bitmap_rows = _row_sort in ("bitmap", "simd16")
+# The sort for renumbered rows (see codec/rowsort.py): numpy's SIMD sorts (or NULL), and
+# whether long rows may be sorted by their output columns instead; set by _use_row_sort.
+cdef str _row_sort = ""
+cdef dc_sort32_fn _sort32 = NULL
+cdef dc_sort32_fn _sort16 = NULL
+cdef bint _bitmap_rows = False
 # The bitmap sort counts bits with popcnt: without it (x86-64 CPUs before 2008) the radix
 # sort runs instead.
 cdef bint _has_popcnt = dc_cpu_has_popcnt() != 0
@@ -110,7 +102,10 @@ def _use_row_sort(name=None):
         if name not in ROW_SORTS:
             raise ValueError(f"row sort {name!r} is not one of {', '.join(ROW_SORTS)}")
         _row_sort = name
-        _sort32 = numpy_sort32(name in ("simd", "simd16"))
-        _sort16 = numpy_sort16(name == "simd16")
+        _sort32 = numpy_sort(name in ("simd", "simd16"), cnp.NPY_UINT32)
+        _sort16 = numpy_sort(name == "simd16", cnp.NPY_UINT16)
         _bitmap_rows = name in ("bitmap", "simd16")
     return previous
+
+
+_use_row_sort(row_sort_wanted())

@@ -10,6 +10,30 @@
    AVX-512 code where the CPU has it. */
 typedef int (*dc_sort32_fn)(void* start, intptr_t n, void* unused);
 
+/* One 32- or 64-bit store, non-temporal with stream where SSE2 has such stores: for rows
+   written once and read later by someone else (a minibatch). */
+static inline void dc_put32(void* p, uint32_t v, int stream) {
+#if defined(__SSE2__) && defined(__x86_64__)
+    if (stream) {
+        _mm_stream_si32((int*)p, (int)v);
+        return;
+    }
+#endif
+    memcpy(p, &v, sizeof v);
+}
+
+static inline void dc_put64(void* p, double v, int stream) {
+#if defined(__SSE2__) && defined(__x86_64__)
+    if (stream) {
+        long long bits;
+        memcpy(&bits, &v, sizeof bits);
+        _mm_stream_si64((long long*)p, bits);
+        return;
+    }
+#endif
+    memcpy(p, &v, sizeof v);
+}
+
 /* The 32-bit sort keys of one row (of up to 65,536 entries): each entry that col_map keeps
    (-1 drops) becomes its new column above its position in the row. Returns 0 with the keys'
    count in *kept and the OR of their columns in *columns (above 0xFFFF: too wide for these
@@ -59,32 +83,14 @@ static inline int dc_row_sort_narrow(const int32_t* idx, const uint32_t* val32,
     }
     if (o > 1) sort32(keys, (intptr_t)o, NULL);
     uint32_t previous = ~(uint32_t)0;
-#if defined(__SSE2__) && defined(__x86_64__)
-    if (stream && !in_place) {
-        for (int64_t i = 0; i < o; i++) {
-            uint32_t x = keys[i];
-            if ((x >> 16) == previous) return 2;
-            previous = x >> 16;
-            _mm_stream_si32((int*)out_idx + i, (int)(x >> 16));
-            if (held) {
-                int64_t bits;
-                memcpy(&bits, val64 + (x & 0xFFFF), sizeof bits);
-                _mm_stream_si64((long long*)out64 + i, bits);
-            } else {
-                _mm_stream_si32((int*)out32 + i, (int)val32[x & 0xFFFF]);
-            }
-        }
-        *kept = o;
-        return 0;
-    }
-#endif
+    int streaming = stream && !in_place;
     for (int64_t i = 0; i < o; i++) {
         uint32_t x = keys[i];
         if ((x >> 16) == previous) return 2;
         previous = x >> 16;
-        out_idx[i] = (int32_t)(x >> 16);
-        if (held) out64[i] = val64[x & 0xFFFF];
-        else out32[i] = val32[x & 0xFFFF];
+        dc_put32(out_idx + i, x >> 16, streaming);
+        if (held) dc_put64(out64 + i, val64[x & 0xFFFF], streaming);
+        else dc_put32(out32 + i, val32[x & 0xFFFF], streaming);
     }
     *kept = o;
     return 0;
@@ -302,51 +308,41 @@ static int dc_row_sort_bitmap(const int32_t* idx, const uint32_t* val32, const d
 
 #if defined(DC_X86_DISPATCH)
 /* dc_row_sort_dense16's last step for 32-bit values, sixteen entries at a time (AVX-512F):
-   the sorted columns widened and stored, their values gathered from dense. Returns how many
-   entries it wrote (a multiple of 16), or -1 for two equal neighbours. */
+   the sorted columns widened and stored, their values gathered from dense. With stream the
+   stores are non-temporal, for outputs whose index and value rows sit at the same offset
+   within a cache line (numpy's buffers do; otherwise nothing is written here): up to the
+   first whole line one entry at a time, then whole lines. Returns how many entries it wrote,
+   or -1 for two equal neighbours; *previous is the last column written. */
 __attribute__((target("avx512f")))
-static int64_t dc_dense16_write_avx512(const uint16_t* cols, int64_t o, const uint32_t* dense,
-                                       int32_t* out_idx, uint32_t* out32) {
-    int64_t i = 0;
-    __m512i previous = _mm512_set1_epi32(-1);
-    for (; i + 16 <= o; i += 16) {
-        __m512i c = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(cols + i)));
-        /* each lane's left neighbour: the last lane of the previous block, then c's own */
-        __m512i left = _mm512_alignr_epi32(c, previous, 15);
-        if (_mm512_cmpeq_epi32_mask(c, left) != 0) return -1;
-        previous = c;
-        _mm512_storeu_si512((void*)(out_idx + i), c);
-        _mm512_storeu_si512((void*)(out32 + i), _mm512_i32gather_epi32(c, dense, 4));
-    }
-    return i;
-}
-#endif
-
-#if defined(DC_X86_DISPATCH)
-/* dc_dense16_write_avx512 with non-temporal stores, for outputs whose index and value rows
-   sit at the same offset within a cache line (numpy's buffers do): up to the first whole
-   line one entry at a time, then whole lines. Returns how many entries it wrote, or -1 for
-   two equal neighbours; *previous is the last column written. */
-__attribute__((target("avx512f")))
-static int64_t dc_dense16_stream_avx512(const uint16_t* cols, int64_t o, const uint32_t* dense,
-                                        int32_t* out_idx, uint32_t* out32, int32_t* previous) {
+static int64_t dc_dense16_out_avx512(const uint16_t* cols, int64_t o, const uint32_t* dense,
+                                     int32_t* out_idx, uint32_t* out32, int32_t* previous,
+                                     int stream) {
     int64_t i = 0;
     int32_t last = *previous;
-    if ((((uintptr_t)out_idx ^ (uintptr_t)out32) & 63) != 0) return 0;
-    for (; i < o && ((uintptr_t)(out_idx + i) & 63) != 0; i++) {
-        int32_t c = cols[i];
-        if (c == last) return -1;
-        last = c;
-        _mm_stream_si32((int*)out_idx + i, c);
-        _mm_stream_si32((int*)out32 + i, (int)dense[c]);
+    if (stream) {
+        if ((((uintptr_t)out_idx ^ (uintptr_t)out32) & 63) != 0) return 0;
+        for (; i < o && ((uintptr_t)(out_idx + i) & 63) != 0; i++) {
+            int32_t c = cols[i];
+            if (c == last) return -1;
+            last = c;
+            dc_put32(out_idx + i, (uint32_t)c, 1);
+            dc_put32(out32 + i, dense[c], 1);
+        }
     }
     __m512i before = _mm512_set1_epi32(last);
     for (; i + 16 <= o; i += 16) {
         __m512i c = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(cols + i)));
+        /* each lane's left neighbour: the last lane of the previous block, then c's own */
         if (_mm512_cmpeq_epi32_mask(c, _mm512_alignr_epi32(c, before, 15)) != 0) return -1;
         before = c;
-        _mm512_stream_si512((void*)(out_idx + i), c);
-        _mm512_stream_si512((void*)(out32 + i), _mm512_i32gather_epi32(c, dense, 4));
+        __m512i v = _mm512_i32gather_epi32(c, dense, 4);
+        if (stream) {
+            _mm512_stream_si512((void*)(out_idx + i), c);
+            _mm512_stream_si512((void*)(out32 + i), v);
+        } else {
+            _mm512_storeu_si512((void*)(out_idx + i), c);
+            _mm512_storeu_si512((void*)(out32 + i), v);
+        }
     }
     *previous = i > 0 ? (int32_t)cols[i - 1] : last;
     return i;
@@ -382,47 +378,21 @@ static int dc_row_sort_dense16(const int32_t* idx, const uint32_t* val32, const 
     }
     if (o > 1) bm->sort16(cols, (intptr_t)o, NULL);
     int32_t previous = -1;
-#if defined(__SSE2__) && defined(__x86_64__)
-    if (stream && out_idx != idx) {
-        i = 0;
-#if defined(DC_X86_DISPATCH)
-        if (!val64 && bm->wide) {
-            i = dc_dense16_stream_avx512(cols, o, dense32, out_idx, out32, &previous);
-            if (i < 0) return 2;
-        }
-#endif
-        for (; i < o; i++) {
-            int32_t c = cols[i];
-            if (c == previous) return 2;
-            previous = c;
-            _mm_stream_si32((int*)out_idx + i, c);
-            if (val64) {
-                int64_t bits;
-                memcpy(&bits, dense64 + c, sizeof bits);
-                _mm_stream_si64((long long*)out64 + i, bits);
-            } else {
-                _mm_stream_si32((int*)out32 + i, (int)dense32[c]);
-            }
-        }
-        *kept = o;
-        return 0;
-    }
-#endif
+    int streaming = stream && out_idx != idx;
     i = 0;
 #if defined(DC_X86_DISPATCH)
     if (!val64 && bm->wide) {
-        i = dc_dense16_write_avx512(cols, o, dense32, out_idx, out32);
+        i = dc_dense16_out_avx512(cols, o, dense32, out_idx, out32, &previous, streaming);
         if (i < 0) return 2;
-        if (i > 0) previous = cols[i - 1];
     }
 #endif
     for (; i < o; i++) {
         int32_t c = cols[i];
         if (c == previous) return 2;
         previous = c;
-        out_idx[i] = c;
-        if (val64) out64[i] = dense64[c];
-        else out32[i] = dense32[c];
+        dc_put32(out_idx + i, (uint32_t)c, streaming);
+        if (val64) dc_put64(out64 + i, dense64[c], streaming);
+        else dc_put32(out32 + i, dense32[c], streaming);
     }
     *kept = o;
     return 0;
