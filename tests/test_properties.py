@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 from itertools import pairwise
 
 import numpy as np
@@ -388,6 +389,36 @@ def test_name_objects_only_have_the_names_lengths():
         assert set("".join(slots)) <= {"0"}
     with pytest.raises(ValueError, match="name_objects_only: negative position"):
         name_objects_only(range(-1, 3))
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_name_strings_from_a_window_of_arenas_are_ordinary(n_threads):
+    """Past about a million names the strings take pymalloc's arenas from a reserved window whose
+    pages a helper thread faults in ahead (``arenas.h``): the same names as without, alive
+    after the window closes, freed and made again, with the window opened (on Linux builds
+    with pymalloc arenas) and handing out about the strings' bytes."""
+    import gc
+    import sysconfig
+
+    from deltacells.codec._rows import _last_window_bytes, decimal_name_objects
+
+    n = 1_500_000  # 48-64 bytes a string: past the window's 64 MiB threshold on 3.11-3.13
+    positions = np.arange(n, dtype=np.int64)[::-1].copy()
+    names = decimal_name_objects(positions, n_threads=n_threads)
+    handed_out = _last_window_bytes()
+    small = decimal_name_objects(positions[:1000], n_threads=n_threads)  # below the window
+    assert _last_window_bytes() == handed_out
+    assert names.tolist() == [str(v) for v in positions.tolist()]
+    assert small.tolist() == names[:1000].tolist()
+    lookup = dict(zip(names.tolist(), range(n), strict=True))
+    assert lookup["0"] == n - 1 and lookup[str(n - 1)] == 0
+    if sys.platform.startswith("linux") and not sysconfig.get_config_var("Py_GIL_DISABLED"):
+        assert 40 * n <= handed_out <= 80 * n
+    for _ in range(3):  # arenas of the window go back to the kernel as pymalloc's own
+        del names
+        gc.collect()
+        names = decimal_name_objects(range(n), n_threads=n_threads)
+    assert names[-1] == str(n - 1) and len(set(names.tolist())) == n
 
 
 def test_row_sort_choice_from_the_environment(monkeypatch):

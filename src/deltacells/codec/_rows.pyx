@@ -14,7 +14,14 @@ cdef extern from "Python.h":
     object PyUnicode_New(Py_ssize_t size, Py_UCS4 maxchar)
     void* PyUnicode_DATA(object unicode)
 
+cdef extern from "arenas.h":
+    size_t dc_arenas_ascii_bytes(Py_ssize_t length) noexcept nogil
+    int dc_arenas_open(size_t nbytes, int helper) noexcept
+    size_t dc_arenas_close() noexcept
+
 import numpy as np
+
+from deltacells.codec.threads import effective_n_threads
 
 from deltacells.codec._common cimport (
     value_t,
@@ -491,37 +498,63 @@ def decimal_names(positions):
     return offsets, data
 
 
-cdef object _name_objects(positions, bint digits, str caller):
+cdef size_t _window_bytes = 0
+
+
+cdef object _name_objects(positions, bint digits, str caller, n_threads):
     """One Python string per position, of its decimal length: its digits, or ``"0"`` repeated
     when ``digits`` is false. One loop for both, so the benchmark's limit times exactly the
-    loop the reader runs, less the digits."""
+    loop the reader runs, less the digits.
+
+    Millions of them take their arenas from a window (``arenas.h``) whose fresh pages a helper
+    thread faults in ahead, when ``n_threads`` resolves to two or more."""
+    global _window_bytes
     cdef const int64_t* pos
     cdef int64_t start, length, value
     cdef Py_ssize_t n, i
+    cdef size_t nbytes = 0
     _source = _position_source(positions, &pos, &start, &n, caller)
     out = np.empty(n, dtype=object)
     cdef object[::1] view = out
-    for i in range(n):
-        value = _position(pos, start, i)
-        length = _n_digits(value)
-        name = PyUnicode_New(length, 127)
-        if digits:
-            _write_decimal(value, <uint8_t*>PyUnicode_DATA(name) + length)
-        else:
-            memset(PyUnicode_DATA(name), 48, length)
-        view[i] = name
+    with nogil:
+        for i in range(n):
+            nbytes += dc_arenas_ascii_bytes(_n_digits(_position(pos, start, i)))
+    # pymalloc's 16 KiB pools keep a header and a partial block each, and arenas hold other
+    # objects too: a margin of 1/32 and four arenas (what is not handed out is unmapped).
+    helper = effective_n_threads(n_threads) > 1
+    cdef bint window = dc_arenas_open(nbytes + nbytes // 32 + (4 << 20), helper)
+    try:
+        for i in range(n):
+            value = _position(pos, start, i)
+            length = _n_digits(value)
+            name = PyUnicode_New(length, 127)
+            if digits:
+                _write_decimal(value, <uint8_t*>PyUnicode_DATA(name) + length)
+            else:
+                memset(PyUnicode_DATA(name), 48, length)
+            view[i] = name
+    finally:
+        if window:
+            _window_bytes = dc_arenas_close()
     return out
 
 
-def decimal_name_objects(positions):
+def _last_window_bytes():
+    """Bytes of arenas the last window handed out (tests check that it opened)."""
+    return _window_bytes
+
+
+def decimal_name_objects(positions, n_threads=None):
     """The decimal strings of ``positions`` as an object array of Python strings (what a
     pandas 2 index holds), each made from its digits without a round trip through Arrow.
-    ``positions``: an int64 array, or a ``range`` of step 1."""
-    return _name_objects(positions, True, "decimal_name_objects")
+    ``positions``: an int64 array, or a ``range`` of step 1. ``n_threads``: as everywhere
+    (``None``: ``OMP_NUM_THREADS``, else the usable CPUs); from two, a helper thread faults
+    in the strings' fresh pages ahead of them."""
+    return _name_objects(positions, True, "decimal_name_objects", n_threads)
 
 
-def name_objects_only(positions):
+def name_objects_only(positions, n_threads=None):
     """Python strings of the lengths of ``decimal_name_objects(positions)``, filled with ``"0"``
     instead of their digits, in an object array: what making the strings alone costs, the
     least any pandas 2 index of these names takes. For benchmarks (``bench_scale``'s limit)."""
-    return _name_objects(positions, False, "name_objects_only")
+    return _name_objects(positions, False, "name_objects_only", n_threads)

@@ -149,7 +149,8 @@ def read_deltacells(
     parts = _stored_parts(dataset, X, elements, options)
     # Written with layer=: the tiles hold that layer, and the AnnData's own X is an element.
     X = parts.pop("X", X)
-    obs_frame, names_unique = _obs(dataset, obs, cache_dir, rows, obs_names == "positions")
+    obs_frame, names_unique = _obs(dataset, obs, cache_dir, rows, obs_names == "positions",
+                                   n_threads)
     if rows is not None:
         # Only the selected cells are built: lazy matrices show those rows, elements are cut.
         X, parts = _take_rows(X, rows), _parts_of_rows(parts, rows)
@@ -332,8 +333,8 @@ def _default_var_names(dataset: Dataset) -> list[str]:
 
 
 def _obs(dataset: Dataset, obs: bool | Sequence[str], cache_dir,
-         rows: np.ndarray | None = None,
-         positions: bool = False) -> tuple[pd.DataFrame, bool]:  # fmt: skip
+         rows: np.ndarray | None = None, positions: bool = False,
+         n_threads: int | None = None) -> tuple[pd.DataFrame, bool]:  # fmt: skip
     """obs of every cell, or of stored rows ``rows`` only (built for those alone), and whether
     its names are known unique: ``"0" .. "n-1"``, stored names the writer recorded unique
     (``verify`` checks them), or ``positions`` (the stored positions, as integers)."""
@@ -342,7 +343,8 @@ def _obs(dataset: Dataset, obs: bool | Sequence[str], cache_dir,
     if positions:
         names = pd.RangeIndex(n_cells) if rows is None else pd.Index(rows, dtype=np.int64)
     if schema is None:
-        return pd.DataFrame(index=names if positions else _default_obs_names(dataset, rows)), True
+        index = names if positions else _default_obs_names(dataset, rows, n_threads)
+        return pd.DataFrame(index=index), True
     stored_names = dataset.obs_index_column(schema)
     index_column = None if positions else stored_names  # positions: names not read
     names_unique = index_column is None or bool(
@@ -369,14 +371,15 @@ def _obs(dataset: Dataset, obs: bool | Sequence[str], cache_dir,
     elif index_column is not None:
         frame.index = pd.Index(selected(index_column).astype(str).to_numpy())
     else:
-        frame.index = _default_obs_names(dataset, rows)
+        frame.index = _default_obs_names(dataset, rows, n_threads)
     if len(frame) != n_cells:  # no columns asked for: an empty frame of the right length
         frame = pd.DataFrame(index=frame.index)
     record = dataset.manifest.metadata.get("obs_pandas")
     return restore_dtypes(frame, record, dataset.store.describe(MANIFEST_NAME)), names_unique
 
 
-def _default_obs_names(dataset: Dataset, rows: np.ndarray | None = None) -> pd.Index:
+def _default_obs_names(dataset: Dataset, rows: np.ndarray | None = None,
+                       n_threads: int | None = None) -> pd.Index:
     """``"0" .. "n-1"`` for a dataset without stored obs names.
 
     The manifest's cell count is believed only once the tiles that claim the most cells (the
@@ -393,7 +396,7 @@ def _default_obs_names(dataset: Dataset, rows: np.ndarray | None = None) -> pd.I
     if isinstance(default, np.dtype):
         # pandas 2: object strings, as anndata 0.12 expects (it refuses to write an
         # Arrow-backed index by default), made from their digits without Arrow in between.
-        return pd.Index(decimal_name_objects(positions), dtype=object, copy=False)
+        return pd.Index(decimal_name_objects(positions, n_threads), dtype=object, copy=False)
     # pandas 3: its Arrow-backed ``str`` straight from Arrow buffers, no Python string each.
     offsets, data = decimal_names(positions)
     names = pa.LargeStringArray.from_buffers(len(positions), pa.py_buffer(offsets),
