@@ -61,6 +61,9 @@ def kept_per_row(
 def decimal_names(
     positions: NDArray[np.int64] | range,
 ) -> tuple[NDArray[np.int64], NDArray[np.uint8]]: ...
+def string_objects(
+    chunks: list[tuple[NDArray[np.int64], NDArray[np.uint8]]], n_threads: int | None = None
+) -> NDArray[np.object_]: ...
 def decimal_name_objects(
     positions: NDArray[np.int64] | range, n_threads: int | None = None
 ) -> NDArray[np.object_]: ...

@@ -13,6 +13,7 @@ cdef extern from "Python.h":
     # A new compact ASCII string of ``size`` characters, its bytes written in place after.
     object PyUnicode_New(Py_ssize_t size, Py_UCS4 maxchar)
     void* PyUnicode_DATA(object unicode)
+    object PyUnicode_DecodeUTF8(const char* data, Py_ssize_t size, const char* errors)
 
 cdef extern from "arenas.h":
     size_t dc_arenas_ascii_bytes(Py_ssize_t length) noexcept nogil
@@ -542,6 +543,71 @@ cdef object _name_objects(positions, bint digits, str caller, n_threads):
 def _last_window_bytes():
     """Bytes of arenas the last window handed out (tests check that it opened)."""
     return _window_bytes
+
+
+cdef inline bint _ascii(const uint8_t* data, int64_t n) noexcept nogil:
+    cdef int64_t i
+    cdef uint8_t any_high = 0
+    for i in range(n):
+        any_high |= data[i]
+    return any_high < 128
+
+
+def string_objects(chunks, n_threads=None):
+    """Python strings from Arrow string buffers, in one object array: what a pandas 2 index of
+    stored obs names holds, without pyarrow's ``to_pandas`` (which hashes every string to
+    share repeats: 4 s for 10M unique barcodes, against 0.2-0.4 s here).
+
+    ``chunks``: a list of ``(offsets, data)``, int64 offsets (``len + 1``, from 0 into that
+    chunk's ``data``, checked here) and uint8 UTF-8 bytes. ASCII strings are copied in place;
+    others decoded strictly (``UnicodeDecodeError`` for bytes that are not UTF-8). Millions
+    of strings take their arenas from a window whose pages a helper thread faults in ahead,
+    as for :func:`decimal_name_objects`.
+    """
+    cdef Py_ssize_t n = 0, at = 0, i, k
+    cdef size_t nbytes = 0
+    cdef const int64_t* off
+    cdef const uint8_t* data
+    cdef int64_t length, size
+    cdef int64_t[::1] off_v
+    cdef const uint8_t[::1] data_v
+    views = []
+    for offsets, data_array in chunks:
+        off_v = np.ascontiguousarray(offsets, dtype=np.int64)
+        data_v = np.ascontiguousarray(data_array, dtype=np.uint8)
+        if off_v.shape[0] < 1 or off_v[0] != 0:
+            raise ValueError("string_objects: offsets must start at 0")
+        size = data_v.shape[0]
+        for i in range(off_v.shape[0] - 1):
+            if off_v[i + 1] < off_v[i] or off_v[i + 1] > size:
+                raise ValueError(f"string_objects: offset {off_v[i + 1]} outside 0 .. {size}")
+            nbytes += dc_arenas_ascii_bytes(off_v[i + 1] - off_v[i])
+        n += off_v.shape[0] - 1
+        views.append((off_v, data_v))
+    out = np.empty(n, dtype=object)
+    cdef object[::1] view = out
+    helper = effective_n_threads(n_threads) > 1
+    cdef bint window = dc_arenas_open(nbytes + nbytes // 32 + (4 << 20), helper)
+    try:
+        for off_v, data_v in views:
+            k = off_v.shape[0] - 1
+            if k == 0:
+                continue
+            off = &off_v[0]
+            data = &data_v[0] if data_v.shape[0] else <const uint8_t*>b""
+            for i in range(k):
+                length = off[i + 1] - off[i]
+                if _ascii(data + off[i], length):
+                    name = PyUnicode_New(length, 127)
+                    memcpy(PyUnicode_DATA(name), data + off[i], length)
+                else:
+                    name = PyUnicode_DecodeUTF8(<const char*>(data + off[i]), length, "strict")
+                view[at + i] = name
+            at += k
+    finally:
+        if window:
+            dc_arenas_close()
+    return out
 
 
 def decimal_name_objects(positions, n_threads=None):

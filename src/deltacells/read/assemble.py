@@ -213,8 +213,7 @@ def read_obs_names(
     index_column = None if schema is None else dataset.obs_index_column(schema)
     if index_column is None:
         return _default_obs_names(dataset, rows)
-    names = ObsCache(dataset.obs_part, cache_dir).column(index_column).take(pa.array(rows))
-    return pd.Index(names.to_pandas().astype(str).to_numpy())
+    return ObsCache(dataset.obs_part, cache_dir).names(index_column, rows)
 
 
 def _take_rows(value: Any, rows: np.ndarray) -> Any:
@@ -369,7 +368,7 @@ def _obs(dataset: Dataset, obs: bool | Sequence[str], cache_dir,
     if positions:
         frame.index = names
     elif index_column is not None:
-        frame.index = pd.Index(selected(index_column).astype(str).to_numpy())
+        frame.index = cache.names(index_column, rows, n_threads)
     else:
         frame.index = _default_obs_names(dataset, rows, n_threads)
     if len(frame) != n_cells:  # no columns asked for: an empty frame of the right length

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from deltacells.codec import _checksum
+from deltacells.codec._rows import string_objects
 from deltacells.codec.format import FormatError
 from deltacells.read.obs_part import ObsPart, category_from_codes
 from deltacells.read.stored import PARQUET_ERRORS, arrow_reader
@@ -231,6 +232,59 @@ class ObsCache:
             categorical = category_from_codes(values.to_numpy(), spec, where)
             return pd.Series(categorical, name=column)
         return values.to_pandas().rename(column)
+
+    def names(self, column: str, rows: np.ndarray | None = None,
+              n_threads: int | None = None) -> pd.Index:  # fmt: skip
+        """The string column ``column`` (stored obs names) as a pandas index of strings, of
+        every cell or of stored rows ``rows``.
+
+        On pandas 2 the Python strings are made from the Arrow buffers by
+        ``codec._rows.string_objects`` (pyarrow's ``to_pandas`` hashes each string to share
+        repeats, most of the time for unique names); on pandas 3 its Arrow-backed ``str``
+        comes from the Arrow column (no Python string each); a column with nulls goes
+        through pandas as before.
+
+        Raises
+        ------
+        FormatError
+            For string buffers out of bounds or bytes that are not UTF-8, naming the file.
+        """
+        values = self.column(column)
+        if rows is not None:
+            values = values.take(pa.array(rows))
+        string_types = (pa.types.is_string(values.type) or pa.types.is_large_string(values.type))
+        if not string_types or values.null_count:
+            return pd.Index(values.to_pandas().astype(str).to_numpy())
+        default = pd.Index(["name"]).dtype
+        if not isinstance(default, np.dtype):
+            try:  # offsets in order and in bounds, UTF-8: 40 ms at 10M names
+                values.validate(full=True)
+            except pa.ArrowInvalid as err:
+                raise FormatError(f"{self.path(column)}: obs names column {column!r}: {err}") \
+                    from err
+            return pd.Index(pd.array(values, dtype=default), copy=False)
+        offset_type = np.int64 if pa.types.is_large_string(values.type) else np.int32
+        chunks = []
+        for chunk in values.chunks:
+            if not len(chunk):
+                continue
+            buffers = chunk.buffers()
+            offsets = np.frombuffer(buffers[1], dtype=offset_type)
+            offsets = offsets[chunk.offset:chunk.offset + len(chunk) + 1].astype(np.int64)
+            data = (np.frombuffer(buffers[2], dtype=np.uint8) if buffers[2] is not None
+                    else np.zeros(0, dtype=np.uint8))  # fmt: skip
+            if len(offsets) != len(chunk) + 1:
+                raise FormatError(f"{self.path(column)}: obs names column {column!r} has "
+                                  f"{len(offsets)} string offsets for {len(chunk)} strings")
+            if not 0 <= offsets[0] <= len(data):
+                raise FormatError(f"{self.path(column)}: obs names column {column!r} has "
+                                  f"string offsets that do not fit its {len(data)} bytes")
+            # The kernel checks the rest: each offset within the chunk's data, in order.
+            chunks.append((offsets - offsets[0], data[offsets[0]:]))
+        try:
+            return pd.Index(string_objects(chunks, n_threads), dtype=object, copy=False)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise FormatError(f"{self.path(column)}: obs names column {column!r}: {err}") from err
 
 
 def _file_crc(data: np.ndarray) -> int:
