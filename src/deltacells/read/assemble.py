@@ -73,7 +73,9 @@ def read_deltacells(
     cache_dir
         Where obs columns are cached (see :func:`~deltacells.read.obscache.cache_root`).
     n_threads
-        Decoding threads; ``None`` resolves like scikit-learn.
+        Decoding threads; ``None`` resolves like scikit-learn. From two, millions of obs
+        names made as Python strings (pandas 2) also get their memory's pages faulted in
+        ahead by a helper thread.
     tile_cache_bytes
         Most bytes of parsed tiles kept in memory.
     dask
