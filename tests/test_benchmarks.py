@@ -44,6 +44,18 @@ def test_bench_scale_quick(tmp_path):
     assert results["targets"]["open_reads_only_the_manifest"]
 
 
+def test_bench_names_quick(tmp_path):
+    # 200,000 barcoded cells, one fresh process per measure: every path names every cell, and
+    # the same first cell.
+    run("bench_names.py", "--quick", "--workdir", str(tmp_path / "work"), "--out", str(tmp_path))
+    results = json.loads((tmp_path / "names_quick.json").read_text())
+    runs = results["runs"]
+    assert set(runs) == {"deltacells", "pyarrow_to_pandas", "h5ad_backed"}
+    assert {run["n_names"] for run in runs.values()} == {200_000}
+    assert len({run["first"] for run in runs.values()}) == 1
+    assert len(runs["deltacells"]["first"]) == 18 and runs["deltacells"]["first"].endswith("-1")
+
+
 def test_bench_convert_small(tmp_path):
     pytest.importorskip("distributed")
     out = tmp_path / "convert.json"
