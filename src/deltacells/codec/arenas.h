@@ -83,6 +83,8 @@ static void *dc_window_helper(void *unused) {
         if (done < next + ((size_t)1 << 20))
             done = next + ((size_t)1 << 20);
         if ((size_t)(done - next) >= DC_ARENAS_AHEAD) {
+            /* A yield, not a sleep: woken from even 20 us of nanosleep the helper fell behind,
+               and 10M names took 0.39-0.45 s against 0.21 s (fresh processes taking turns). */
             sched_yield();
             continue;
         }
