@@ -9,8 +9,9 @@
  * are ordinary: pymalloc frees each arena later with munmap, as it frees its own (Linux
  * builds map arenas with mmap), and the unused tail is unmapped when the window closes.
  *
- * Only the thread holding the GIL opens and closes a window (one at a time), and pymalloc
- * asks for arenas under the GIL, so nothing else changes the allocator meanwhile. The helper
+ * Only the thread holding the GIL opens and closes a window (one at a time); arenas are
+ * taken from it by compare-and-swap, since other interpreters (each with its own GIL, from
+ * Python 3.12) share the process-wide allocator. The helper
  * touches only pages at least one arena past those handed out, and MADV_POPULATE_WRITE never
  * changes a page already present. Where any step is unavailable (not Linux, no
  * MADV_POPULATE_WRITE, a free-threaded build without pymalloc arenas, mmap or thread refused)
@@ -56,11 +57,14 @@ typedef struct {
 static dc_arena_window dc_window;
 
 static void *dc_window_alloc(void *ctx, size_t size) {
-    char *next = dc_window.next;
+    /* Taken by compare-and-swap: the allocator is process-wide, and since Python 3.12
+       interpreters with their own GIL may ask for arenas at the same time. */
+    char *next = __atomic_load_n(&dc_window.next, __ATOMIC_ACQUIRE);
     (void)ctx;
-    if (next != NULL && size <= (size_t)(dc_window.end - next)) {
-        __atomic_store_n(&dc_window.next, next + size, __ATOMIC_RELEASE);
-        return next;
+    while (next != NULL && size <= (size_t)(dc_window.end - next)) {
+        if (__atomic_compare_exchange_n(&dc_window.next, &next, next + size, 0,
+                                        __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return next;
     }
     return dc_window.previous.alloc(dc_window.previous.ctx, size);
 }
@@ -138,7 +142,7 @@ static int dc_arenas_open(size_t nbytes, int helper) {
 static size_t dc_arenas_close(void) {
 #ifdef DC_ARENAS
     size_t used;
-    char *tail;
+    char *next, *tail;
     if (!dc_window.active)
         return 0;
     PyObject_SetArenaAllocator(&dc_window.previous);
@@ -146,11 +150,13 @@ static size_t dc_arenas_close(void) {
         __atomic_store_n(&dc_window.stop, 1, __ATOMIC_RELEASE);
         pthread_join(dc_window.thread, NULL);
     }
-    used = (size_t)(dc_window.next - dc_window.base);
-    tail = (char *)(((uintptr_t)dc_window.next + 4095) & ~(uintptr_t)4095);
+    /* No arena is handed out of the region from here on, even to a call already inside
+       dc_window_alloc: its swap fails on NULL. */
+    next = __atomic_exchange_n(&dc_window.next, (char *)NULL, __ATOMIC_ACQ_REL);
+    used = (size_t)(next - dc_window.base);
+    tail = (char *)(((uintptr_t)next + 4095) & ~(uintptr_t)4095);
     if (tail < dc_window.end)
         munmap(tail, (size_t)(dc_window.end - tail));
-    dc_window.base = dc_window.end = dc_window.next = NULL;
     dc_window.active = 0;
     return used;
 #else
