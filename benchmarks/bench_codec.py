@@ -25,7 +25,7 @@ import zstandard
 from _common import machine, median_time, page_figure, save_figure
 
 import deltacells as dc
-from deltacells.codec import _checksum, _decode
+from deltacells.codec import _checksum, _frames
 from deltacells.codec.tile import DEFAULT_LEVEL
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,7 +116,7 @@ def decode_speeds(blobs: list[bytes], repeats: int, rounds: int) -> dict:
     for n in (1, 2):
         variants |= {
             f"zstd_only_{n}t": lambda n=n: [
-                _decode.decompress_only(t._buf, t.layout.chunks, n) for t in tiles
+                _frames.decompress_only(t._buf, t.layout.chunks, n) for t in tiles
             ],
             f"decode_fresh_{n}t": lambda n=n: [t.decode(np.float32, n_threads=n) for t in tiles],
             f"decode_reused_{n}t": lambda n=n: [

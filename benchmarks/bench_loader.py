@@ -37,7 +37,7 @@ out of them cannot beat the first two together (``floor_s``); ``source_vs_floor`
 default epoch against that sum, and ``floor_vs_annbatch_steady`` the sum's cells/s against
 annbatch's later epochs. The default decodes straight into its batches (no copy), so it can
 beat that sum; the limit no exact source-order loader on this zstd and this sort can beat is
-zstd alone on every frame (``_decode.decompress_only``, ``zstd_only_s``) plus the sort alone
+zstd alone on every frame (``_frames.decompress_only``, ``zstd_only_s``) plus the sort alone
 (``zstd_sort_s``; ``source_vs_zstd_sort`` and ``zstd_sort_vs_annbatch_steady`` likewise).
 
 Writes ``benchmarks/results/loader.json`` and ``docs/_static/bench_loader.png``.
@@ -99,7 +99,7 @@ def child_floor(path: str, batch_size: int, options: dict) -> dict:
     import numpy as np
 
     import deltacells as dc
-    from deltacells.codec import _decode, _rows
+    from deltacells.codec import _frames, _rows
     from deltacells.codec.threads import effective_n_threads
 
     rounds = options.get("rounds", 5)
@@ -124,7 +124,7 @@ def child_floor(path: str, batch_size: int, options: dict) -> dict:
     def zstd_all() -> float:
         t0 = time.perf_counter()
         for tile in blobs:
-            _decode.decompress_only(tile._buf, tile.layout.chunks, n_threads)
+            _frames.decompress_only(tile._buf, tile.layout.chunks, n_threads)
         return time.perf_counter() - t0
 
     def sort_all() -> float:

@@ -124,7 +124,7 @@ def zstd_floor(path: Path, n_cells: int, repeats: int) -> dict:
     decompress (all of them for ``to_memory``; the chunks holding the random cells for the
     random read), by the kernels' libzstd on the default threads, tiles already in memory and
     validated, with no file reads, checks or decoding after zstd."""
-    from deltacells.codec import _decode
+    from deltacells.codec import _frames
     from deltacells.codec.threads import effective_n_threads
     from deltacells.read.dataset import group_by_tile
 
@@ -141,7 +141,7 @@ def zstd_floor(path: Path, n_cells: int, repeats: int) -> dict:
 
     def decompress(tables):
         for tile, table in zip(tiles, tables, strict=True):
-            _decode.decompress_only(tile._buf, table, threads)
+            _frames.decompress_only(tile._buf, table, threads)
 
     # The split of to_memory's kernel time: the same tiles decoded into buffers allocated
     # once, in the stored gene order (zstd, then the byte planes into CSR) and in the source

@@ -41,6 +41,3 @@ def gather_into(
     dst_idx: NDArray[np.uintp] | None = None,
     dst_val: NDArray[np.uintp] | None = None,
 ) -> None: ...
-def decompress_only(
-    blob: NDArray[np.uint8] | bytes, chunks: NDArray[np.int64], n_threads: int
-) -> int: ...

@@ -54,83 +54,23 @@ from deltacells.codec._rowsort cimport (
     new_sort_scratch,
     row_to_mapped_order,
 )
+from deltacells.codec._pools cimport (
+    give_back_dctx,
+    give_back_scratch,
+    take_dctx,
+    take_scratch,
+)
 from deltacells.codec._zstd cimport (
-    ZSTD_createDCtx,
     ZSTD_DCtx,
     ZSTD_decompressDCtx,
     ZSTD_isError,
 )
-from deltacells.codec.format import FormatError
 from deltacells.codec._status import raise_status
 
 
 def openmp_enabled() -> bool:
     """Whether this build runs parallel loops with OpenMP (else serially, same output)."""
     return bool(DELTACELLS_OPENMP)
-
-
-# Decompression contexts are reused across calls: creating one costs about as much as
-# decoding a small tile. A context is used by one thread at a time: contexts are taken from this
-# list with the GIL held before a parallel region and given back after it, so concurrent calls
-# from several Python threads never share one.
-_idle_dctx = []
-
-
-cdef object _take_dctx(int n):
-    """Addresses of ``n`` decompression contexts, reused when idle ones exist."""
-    cdef size_t address
-    taken = np.zeros(n, dtype=np.uintp)
-    cdef size_t[::1] taken_v = taken
-    for i in range(n):
-        if _idle_dctx:
-            address = _idle_dctx.pop()
-        else:
-            address = <size_t>ZSTD_createDCtx()
-            if address == 0:
-                _give_back_dctx(taken[:i])
-                raise MemoryError("could not create a zstd decompression context")
-        taken_v[i] = address
-    return taken
-
-
-cdef void _give_back_dctx(object taken):
-    _idle_dctx.extend(int(a) for a in taken)
-
-
-# Scratch buffers for decompressed planes, kept between calls like the contexts: a fresh
-# malloc of a few MiB is a fresh mmap, whose pages fault in one by one on every call.
-_idle_scratch = []
-_scratch_sizes = {}
-_MAX_IDLE_SCRATCH = 8
-
-
-cdef object _take_scratch(int n, int64_t size):
-    """Addresses of ``n`` buffers of at least ``size`` bytes, reused when idle ones exist."""
-    cdef void* fresh
-    taken = np.zeros(n, dtype=np.uintp)
-    for i in range(n):
-        address = _idle_scratch.pop() if _idle_scratch else 0
-        if address and _scratch_sizes[address] < size:
-            del _scratch_sizes[address]
-            free(<void*><size_t>address)
-            address = 0
-        if not address:
-            fresh = malloc(size)
-            if fresh == NULL:
-                _give_back_scratch(taken[:i])
-                raise MemoryError(f"could not allocate {size} bytes of decoding scratch")
-            address = <size_t>fresh
-            _scratch_sizes[address] = size
-        taken[i] = address
-    return taken
-
-
-cdef void _give_back_scratch(object taken):
-    _idle_scratch.extend(int(a) for a in taken)
-    while len(_idle_scratch) > _MAX_IDLE_SCRATCH:
-        address = _idle_scratch.pop(0)
-        del _scratch_sizes[address]
-        free(<void*><size_t>address)
 
 
 cdef struct Chunk:
@@ -670,8 +610,8 @@ def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
     cdef int64_t scratch_size = _max_scratch(chunks, exc, range(n_chunks))
     cdef int32_t* idx_out = &indices[0] if indices.shape[0] else NULL
     cdef value_t* val_out = &values[0] if values.shape[0] else NULL
-    contexts = _take_dctx(n_threads)
-    scratches = _take_scratch(n_threads, scratch_size)
+    contexts = take_dctx(n_threads)
+    scratches = take_scratch(n_threads, scratch_size)
     cdef const size_t[::1] contexts_v = contexts
     cdef const size_t[::1] scratches_v = scratches
     try:
@@ -681,8 +621,8 @@ def decode_into(const uint8_t[::1] blob, const int64_t[:, ::1] chunks,
                          n_threads, &contexts_v[0], map_p, capacity, NULL, NULL, &status_v[0],
                          &detail_v[0])
     finally:
-        _give_back_dctx(contexts)
-        _give_back_scratch(scratches)
+        give_back_dctx(contexts)
+        give_back_scratch(scratches)
     raise_status(status, detail, where, np.arange(n_jobs) >> 1 if split_streams else None)
 
 
@@ -769,8 +709,8 @@ def gather_into(list blobs, list chunk_tables, list indptrs, list excs, int64_t 
     cdef int64_t[::1] detail_v = detail
     cdef int32_t* idx_out = &indices[0] if indices.shape[0] else NULL
     cdef value_t* val_out = &values[0] if values.shape[0] else NULL
-    contexts = _take_dctx(n_threads)
-    scratches = _take_scratch(n_threads, scratch_size)
+    contexts = take_dctx(n_threads)
+    scratches = take_scratch(n_threads, scratch_size)
     cdef const size_t[::1] contexts_v = contexts
     cdef const size_t[::1] scratches_v = scratches
     try:
@@ -781,52 +721,11 @@ def gather_into(list blobs, list chunk_tables, list indptrs, list excs, int64_t 
                          &contexts_v[0], map_p, capacity, dst_idx_p, dst_val_p, &status_v[0],
                          &detail_v[0])
     finally:
-        _give_back_dctx(contexts)
-        _give_back_scratch(scratches)
+        give_back_dctx(contexts)
+        give_back_scratch(scratches)
     failed = np.flatnonzero(status)
     if len(failed):
         first = int(failed[0])
         t = group_tiles[first]
         mine = np.flatnonzero(np.asarray(group_tiles) == t)
         raise_status(status[mine], detail[mine], names[t], np.asarray(group_chunks)[mine])
-
-
-def decompress_only(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, int n_threads):
-    """Decompress the gaps and values frames of every chunk and do nothing else.
-
-    The speed limit for :func:`decode_into`: the same frames through the same libzstd into
-    per-thread buffers from the same pool, as the same jobs (one per frame), with no
-    post-processing. Returns the decompressed byte count.
-    """
-    cdef Py_ssize_t n_chunks = chunks.shape[0]
-    cdef Py_ssize_t c, g
-    cdef int which
-    cdef int64_t n, total = 0, largest = 8
-    cdef size_t got
-    cdef int failed = 0
-    cdef ZSTD_DCtx* dctx = NULL  # set per thread; initialized so the firstprivate copy is defined
-    cdef uint8_t* scratch = NULL
-    cdef const uint8_t* base = &blob[0]
-    for c in range(n_chunks):
-        largest = max(largest, 2 * (chunks[c, NNZ_HI] - chunks[c, NNZ_LO]))
-    contexts = _take_dctx(n_threads)
-    scratches = _take_scratch(n_threads, largest)
-    cdef const size_t[::1] contexts_v = contexts
-    cdef const size_t[::1] scratches_v = scratches
-    with nogil, parallel(num_threads=n_threads):
-        dctx = <ZSTD_DCtx*>contexts_v[threadid()]
-        scratch = <uint8_t*>scratches_v[threadid()]
-        for g in prange(2 * n_chunks, schedule="dynamic"):
-            c = g >> 1
-            which = g & 1
-            n = chunks[c, NNZ_HI] - chunks[c, NNZ_LO]
-            got = ZSTD_decompressDCtx(dctx, scratch, 2 * n, base + chunks[c, 4 + 2 * which],
-                                      chunks[c, 5 + 2 * which])
-            if ZSTD_isError(got):
-                failed += 1
-            total += 2 * n
-    _give_back_dctx(contexts)
-    _give_back_scratch(scratches)
-    if failed:
-        raise FormatError("zstd decompression failed")
-    return total

@@ -9,3 +9,6 @@ def check_frames(
     where: object,
     n_threads: int = 1,
 ) -> NDArray[np.int64]: ...
+def decompress_only(
+    blob: NDArray[np.uint8] | bytes, chunks: NDArray[np.int64], n_threads: int
+) -> int: ...

@@ -1,8 +1,9 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Checks of a tile's zstd frames before anything is decompressed: each frame's header,
-declared content size and stored length (headers only; run in parallel over the chunks)."""
+declared content size and stored length (headers only; run in parallel over the chunks);
+and the frames decompressed alone, the speed limit the decoder is measured against."""
 
-from cython.parallel cimport prange
+from cython.parallel cimport parallel, prange, threadid
 from libc.stdint cimport int32_t, int64_t, uint8_t
 
 import numpy as np
@@ -16,13 +17,22 @@ from deltacells.codec._common cimport (
     E_FRAME_LENGTH,
     E_EXC_SIZE,
 )
+from deltacells.codec._pools cimport (
+    give_back_dctx,
+    give_back_scratch,
+    take_dctx,
+    take_scratch,
+)
 from deltacells.codec._zstd cimport (
     ZSTD_CONTENTSIZE_ERROR,
+    ZSTD_DCtx,
+    ZSTD_decompressDCtx,
     ZSTD_CONTENTSIZE_UNKNOWN,
     ZSTD_findFrameCompressedSize,
     ZSTD_getFrameContentSize,
     ZSTD_isError,
 )
+from deltacells.codec.format import FormatError
 from deltacells.codec._status import raise_status
 
 
@@ -80,3 +90,44 @@ def check_frames(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, object w
                     break
     raise_status(status, detail, where)
     return counts
+
+
+def decompress_only(const uint8_t[::1] blob, const int64_t[:, ::1] chunks, int n_threads):
+    """Decompress the gaps and values frames of every chunk and do nothing else.
+
+    The speed limit for ``_decode.decode_into``: the same frames through the same libzstd into
+    per-thread buffers from the same pool, as the same jobs (one per frame), with no
+    post-processing. Returns the decompressed byte count.
+    """
+    cdef Py_ssize_t n_chunks = chunks.shape[0]
+    cdef Py_ssize_t c, g
+    cdef int which
+    cdef int64_t n, total = 0, largest = 8
+    cdef size_t got
+    cdef int failed = 0
+    cdef ZSTD_DCtx* dctx = NULL  # set per thread; initialized so the firstprivate copy is defined
+    cdef uint8_t* scratch = NULL
+    cdef const uint8_t* base = &blob[0]
+    for c in range(n_chunks):
+        largest = max(largest, 2 * (chunks[c, NNZ_HI] - chunks[c, NNZ_LO]))
+    contexts = take_dctx(n_threads)
+    scratches = take_scratch(n_threads, largest)
+    cdef const size_t[::1] contexts_v = contexts
+    cdef const size_t[::1] scratches_v = scratches
+    with nogil, parallel(num_threads=n_threads):
+        dctx = <ZSTD_DCtx*>contexts_v[threadid()]
+        scratch = <uint8_t*>scratches_v[threadid()]
+        for g in prange(2 * n_chunks, schedule="dynamic"):
+            c = g >> 1
+            which = g & 1
+            n = chunks[c, NNZ_HI] - chunks[c, NNZ_LO]
+            got = ZSTD_decompressDCtx(dctx, scratch, 2 * n, base + chunks[c, 4 + 2 * which],
+                                      chunks[c, 5 + 2 * which])
+            if ZSTD_isError(got):
+                failed += 1
+            total += 2 * n
+    give_back_dctx(contexts)
+    give_back_scratch(scratches)
+    if failed:
+        raise FormatError("zstd decompression failed")
+    return total
