@@ -11,9 +11,9 @@
  *
  * Only the thread holding the GIL opens and closes a window (one at a time); arenas are
  * taken from it by compare-and-swap, since other interpreters (each with its own GIL, from
- * Python 3.12) share the process-wide allocator. The helper
- * touches only pages at least one arena past those handed out, and MADV_POPULATE_WRITE never
- * changes a page already present. Where any step is unavailable (not Linux, no
+ * Python 3.12) share the process-wide allocator. The helper touches only pages at least one
+ * arena past those handed out, and MADV_POPULATE_WRITE never changes a page already
+ * present. Where any step is unavailable (not Linux, no
  * MADV_POPULATE_WRITE, a free-threaded build without pymalloc arenas, mmap or thread refused)
  * the window does less or nothing, and the strings are the same.
  */
