@@ -327,6 +327,7 @@ def test_many_chunks_few_rows():
     assert_equal_csr(tile.decode(np.int32), matrix)
 
 
+@PROFILE
 @given(values=st.lists(st.one_of(st.integers(0, 10**6),
                                  st.sampled_from([0, 9, 10, 99, 100, 10**9, 2**63 - 1]),
                                  st.integers(0, 2**63 - 1)), max_size=200))  # fmt: skip
@@ -389,6 +390,30 @@ def test_name_objects_only_have_the_names_lengths():
         assert set("".join(slots)) <= {"0"}
     with pytest.raises(ValueError, match="name_objects_only: negative position"):
         name_objects_only(range(-1, 3))
+
+
+@PROFILE
+@given(chunks=st.lists(st.lists(st.text(max_size=12), max_size=30), max_size=4))
+def test_string_objects_equal_the_arrow_strings(chunks):
+    """Stored obs names on pandas 2 are made from Arrow buffers by this kernel: the same
+    strings as pyarrow's (ASCII copied in place, any other text decoded), chunk after chunk,
+    each a plain str that hashes and compares as any other."""
+    import pyarrow as pa
+
+    from deltacells.codec._rows import string_objects
+
+    buffers = []
+    for strings in chunks:
+        array = pa.array(strings, type=pa.large_string())
+        offsets = np.frombuffer(array.buffers()[1], dtype=np.int64)[:len(strings) + 1]
+        data = array.buffers()[2]
+        data = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
+        buffers.append((offsets, data))
+    made = string_objects(buffers)
+    expected = [text for strings in chunks for text in strings]
+    assert made.dtype == object and made.tolist() == expected
+    assert all(type(text) is str for text in made)
+    assert {text: i for i, text in enumerate(made)} == {t: i for i, t in enumerate(expected)}
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])
