@@ -502,6 +502,18 @@ def decimal_names(positions):
 cdef size_t _window_bytes = 0
 
 
+cdef bint _open_window(size_t nbytes, object n_threads):
+    """A window of arenas for strings of ``nbytes`` (``arenas.h``), its helper thread on when
+    ``n_threads`` resolves to two or more; whether it opened."""
+    return dc_arenas_open(nbytes, effective_n_threads(n_threads) > 1)
+
+
+cdef void _close_window(bint window):
+    global _window_bytes
+    if window:
+        _window_bytes = dc_arenas_close()
+
+
 cdef object _name_objects(positions, bint digits, str caller, n_threads):
     """One Python string per position, of its decimal length: its digits, or ``"0"`` repeated
     when ``digits`` is false. One loop for both, so the benchmark's limit times exactly the
@@ -509,7 +521,6 @@ cdef object _name_objects(positions, bint digits, str caller, n_threads):
 
     Millions of them take their arenas from a window (``arenas.h``) whose fresh pages a helper
     thread faults in ahead, when ``n_threads`` resolves to two or more."""
-    global _window_bytes
     cdef const int64_t* pos
     cdef int64_t start, length, value
     cdef Py_ssize_t n, i
@@ -520,10 +531,7 @@ cdef object _name_objects(positions, bint digits, str caller, n_threads):
     with nogil:
         for i in range(n):
             nbytes += dc_arenas_ascii_bytes(_n_digits(_position(pos, start, i)))
-    # pymalloc's 16 KiB pools keep a header and a partial block each, and arenas hold other
-    # objects too: a margin of 1/32 and four arenas (what is not handed out is unmapped).
-    helper = effective_n_threads(n_threads) > 1
-    cdef bint window = dc_arenas_open(nbytes + nbytes // 32 + (4 << 20), helper)
+    cdef bint window = _open_window(nbytes, n_threads)
     try:
         for i in range(n):
             value = _position(pos, start, i)
@@ -535,13 +543,13 @@ cdef object _name_objects(positions, bint digits, str caller, n_threads):
                 memset(PyUnicode_DATA(name), 48, length)
             view[i] = name
     finally:
-        if window:
-            _window_bytes = dc_arenas_close()
+        _close_window(window)
     return out
 
 
 def _last_window_bytes():
-    """Bytes of arenas the last window handed out (tests check that it opened)."""
+    """Bytes of arenas the last window handed out, for names or stored strings (tests check
+    that it opened)."""
     return _window_bytes
 
 
@@ -586,8 +594,7 @@ def string_objects(chunks, n_threads=None):
         views.append((off_v, data_v))
     out = np.empty(n, dtype=object)
     cdef object[::1] view = out
-    helper = effective_n_threads(n_threads) > 1
-    cdef bint window = dc_arenas_open(nbytes + nbytes // 32 + (4 << 20), helper)
+    cdef bint window = _open_window(nbytes, n_threads)
     try:
         for off_v, data_v in views:
             k = off_v.shape[0] - 1
@@ -605,8 +612,7 @@ def string_objects(chunks, n_threads=None):
                 view[at + i] = name
             at += k
     finally:
-        if window:
-            dc_arenas_close()
+        _close_window(window)
     return out
 
 

@@ -108,13 +108,17 @@ static inline size_t dc_arenas_ascii_bytes(Py_ssize_t length) {
     return (sizeof(PyASCIIObject) + (size_t)length + 1 + 15) & ~(size_t)15;
 }
 
-/* Open a window for about ``nbytes`` of arenas; ``helper``: fault pages in on another thread.
-   Returns 1 when open (close it with dc_arenas_close), 0 when nothing was changed. */
+/* Open a window for strings of ``nbytes`` (the sum of dc_arenas_ascii_bytes); ``helper``:
+   fault pages in on another thread. Returns 1 when open (close it with dc_arenas_close), 0
+   when nothing was changed. */
 static int dc_arenas_open(size_t nbytes, int helper) {
 #ifdef DC_ARENAS
     PyObjectArenaAllocator window = {NULL, dc_window_alloc, dc_window_free};
     size_t page = 4096;
     char *base;
+    /* pymalloc's 16 KiB pools keep a header and a partial block each, and arenas hold other
+       objects too: a margin of 1/32 and four arenas (what is not handed out is unmapped). */
+    nbytes += nbytes / 32 + ((size_t)4 << 20);
     if (dc_window.active || nbytes < DC_ARENAS_MIN)
         return 0;
     nbytes = (nbytes + page - 1) & ~(page - 1);

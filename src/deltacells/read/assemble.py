@@ -27,7 +27,7 @@ from deltacells.read.outofcore import (
     PreparedObs,
 )
 from deltacells.store.manifest import MANIFEST_NAME, StoredParts
-from deltacells.store.obs_dtypes import restore_dtypes
+from deltacells.store.obs_dtypes import index_string_dtype, restore_dtypes
 
 __all__ = ["read_deltacells", "read_obs_names", "written_values_dtype"]
 
@@ -393,7 +393,7 @@ def _default_obs_names(dataset: Dataset, rows: np.ndarray | None = None,
         dataset.check_tile_sizes(sorted({0, m.n_tiles - 1}))
     # Every cell: a range, not an array of 8 bytes per cell (80 MB of fresh pages at 10M).
     positions = range(m.n_cells) if rows is None else np.ascontiguousarray(rows, dtype=np.int64)
-    default = pd.Index(["name"]).dtype
+    default = index_string_dtype()
     if isinstance(default, np.dtype):
         # pandas 2: object strings, as anndata 0.12 expects (it refuses to write an
         # Arrow-backed index by default), made from their digits without Arrow in between.

@@ -33,6 +33,7 @@ from deltacells.codec.format import FormatError
 from deltacells.read.obs_part import ObsPart, category_from_codes
 from deltacells.read.stored import PARQUET_ERRORS, arrow_reader
 from deltacells.store.manifest import OBS_SCHEMA_NAME, ObsSchema
+from deltacells.store.obs_dtypes import index_string_dtype
 
 __all__ = ["ObsCache", "cache_root"]
 
@@ -249,19 +250,19 @@ class ObsCache:
         FormatError
             For string buffers out of bounds or bytes that are not UTF-8, naming the file.
         """
+        where = f"{self.path(column)}: obs names column {column!r}"
         values = self.column(column)
         if rows is not None:
             values = values.take(pa.array(rows))
         string_types = (pa.types.is_string(values.type) or pa.types.is_large_string(values.type))
         if not string_types or values.null_count:
             return pd.Index(values.to_pandas().astype(str).to_numpy())
-        default = pd.Index(["name"]).dtype
+        default = index_string_dtype()
         if not isinstance(default, np.dtype):
             try:  # offsets in order and in bounds, UTF-8: 40 ms at 10M names
                 values.validate(full=True)
             except pa.ArrowInvalid as err:
-                raise FormatError(f"{self.path(column)}: obs names column {column!r}: {err}") \
-                    from err
+                raise FormatError(f"{where}: {err}") from err
             return pd.Index(pd.array(values, dtype=default), copy=False)
         offset_type = np.int64 if pa.types.is_large_string(values.type) else np.int32
         chunks = []
@@ -274,17 +275,17 @@ class ObsCache:
             data = (np.frombuffer(buffers[2], dtype=np.uint8) if buffers[2] is not None
                     else np.zeros(0, dtype=np.uint8))  # fmt: skip
             if len(offsets) != len(chunk) + 1:
-                raise FormatError(f"{self.path(column)}: obs names column {column!r} has "
-                                  f"{len(offsets)} string offsets for {len(chunk)} strings")
+                raise FormatError(f"{where} has {len(offsets)} string offsets for "
+                                  f"{len(chunk)} strings")
             if not 0 <= offsets[0] <= len(data):
-                raise FormatError(f"{self.path(column)}: obs names column {column!r} has "
-                                  f"string offsets that do not fit its {len(data)} bytes")
+                raise FormatError(f"{where} has string offsets that do not fit its "
+                                  f"{len(data)} bytes")
             # The kernel checks the rest: each offset within the chunk's data, in order.
             chunks.append((offsets - offsets[0], data[offsets[0]:]))
         try:
             return pd.Index(string_objects(chunks, n_threads), dtype=object, copy=False)
         except (ValueError, UnicodeDecodeError) as err:
-            raise FormatError(f"{self.path(column)}: obs names column {column!r}: {err}") from err
+            raise FormatError(f"{where}: {err}") from err
 
 
 def _file_crc(data: np.ndarray) -> int:

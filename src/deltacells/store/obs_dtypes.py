@@ -19,13 +19,19 @@ import pandas as pd
 
 from deltacells.codec.format import FormatError
 
-__all__ = ["pandas_record", "restore_dtypes"]
+__all__ = ["index_string_dtype", "pandas_record", "restore_dtypes"]
 
 #: dtypes a record may name (anything else in a manifest is refused, never passed to pandas).
 _ALLOWED = re.compile(
     r"category|object|str|string|bool|boolean|u?int(8|16|32|64)|U?Int(8|16|32|64)"
     r"|float(16|32|64)|Float(32|64)"
 )
+
+
+def index_string_dtype() -> Any:
+    """The dtype pandas gives an index of strings: numpy's object on pandas 2 (Python
+    strings), its Arrow-backed ``str`` on pandas 3, which readers build from Arrow buffers."""
+    return pd.Index(["name"]).dtype
 
 
 def _string_name(dtype: pd.StringDtype) -> str:
