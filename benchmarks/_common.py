@@ -61,6 +61,23 @@ def _status_mb(field: str) -> float:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def fresh_processes(argv: list[str], repeats: int) -> dict:
+    """Run ``python *argv`` in ``repeats`` fresh processes, each printing a JSON record with
+    its time ``"s"`` on its last line: the record of median time, with every run's time under
+    ``s_all`` (one process differs from the next by up to a third on the benchmark machine)."""
+    import json
+    import subprocess
+    import sys
+
+    runs = []
+    for _ in range(repeats):
+        done = subprocess.run([sys.executable, *argv], capture_output=True, text=True,
+                              check=True)  # fmt: skip
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    runs.sort(key=lambda run: run["s"])
+    return runs[len(runs) // 2] | {"s_all": [run["s"] for run in runs]}
+
+
 def peak_rss_mb() -> float:
     """This process's own peak RSS in MB: VmHWM, since getrusage's ru_maxrss carries the
     parent's peak across fork and exec on Linux."""

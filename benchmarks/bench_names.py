@@ -27,12 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from _common import machine, page_figure, peak_rss_mb, save_figure
+from _common import fresh_processes, machine, page_figure, peak_rss_mb, save_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,15 +103,10 @@ def child(mode: str, path: str, h5ad: str) -> dict:
 
 
 def fresh_runs(mode: str, path: Path, h5ad: Path, repeats: int) -> dict:
-    runs = []
-    for _ in range(repeats):
-        done = subprocess.run([sys.executable, __file__, "--child", mode, str(path), str(h5ad)],
-                              capture_output=True, text=True, check=True)  # fmt: skip
-        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    runs.sort(key=lambda run: run["s"])
-    middle = runs[len(runs) // 2]
-    return middle | {"median_s": statistics.median(r["s"] for r in runs),
-                     "s_all": [r["s"] for r in runs]}  # fmt: skip
+    """``child(mode, ...)`` in ``repeats`` fresh processes: the run of median time, with the
+    median of every run's time (``median_s``) and each (``s_all``)."""
+    runs = fresh_processes([__file__, "--child", mode, str(path), str(h5ad)], repeats)
+    return runs | {"median_s": statistics.median(runs["s_all"])}
 
 
 def table(results: dict) -> str:

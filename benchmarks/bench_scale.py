@@ -42,7 +42,15 @@ import tracemalloc
 from pathlib import Path
 
 import numpy as np
-from _common import machine, page_figure, peak_rss_mb, rss_mb, save_figure, stacked_adata
+from _common import (
+    fresh_processes,
+    machine,
+    page_figure,
+    peak_rss_mb,
+    rss_mb,
+    save_figure,
+    stacked_adata,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data" / "liao2020_balf.h5ad"
@@ -208,13 +216,7 @@ def child_open(path: str, obs_names: str) -> dict:
 def fresh_runs(path: Path, mode: str, repeats: int) -> dict:
     """``child_open(path, mode)`` in ``repeats`` fresh processes: the run of median time, and
     every run's time under ``s_all``."""
-    steps = []
-    for _ in range(repeats):
-        run = subprocess.run([sys.executable, __file__, "--child-open", str(path), mode],
-                             capture_output=True, text=True, check=True)  # fmt: skip
-        steps.append(json.loads(run.stdout.strip().splitlines()[-1]))
-    steps.sort(key=lambda step: step["s"])
-    return steps[len(steps) // 2] | {"s_all": [step["s"] for step in steps]}
+    return fresh_processes([__file__, "--child-open", str(path), mode], repeats)
 
 
 def base_dataset(workdir: Path, tiles: int) -> Path:
