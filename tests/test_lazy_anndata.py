@@ -3,6 +3,8 @@ concat (scanpy on the lazy X: test_scanpy_chain.py)."""
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import warnings
 
 import anndata as ad
@@ -234,6 +236,26 @@ def test_positions_of_a_selection_are_its_stored_rows(tmp_path):
 def test_obs_names_mode_is_checked(stored):
     with pytest.raises(ValueError, match="obs_names must be 'names' or 'positions'"):
         dc.read_deltacells(stored[0], obs_names="index")
+
+
+def test_a_bad_thread_count_is_named_as_the_callers(stored):
+    # Not a FormatError naming the obs cache file (where the names kernel first met it).
+    for mode in ("names", "positions"):
+        with pytest.raises(ValueError, match="n_threads=0 is not allowed") as caught:
+            dc.read_deltacells(stored[0], n_threads=0, obs_names=mode)
+        assert not isinstance(caught.value, dc.FormatError)
+
+
+def test_elements_and_dask_options_are_checked(stored, monkeypatch):
+    with pytest.raises(ValueError, match="elements must be True, False or 'lazy', not 'Lazy'"):
+        dc.read_deltacells(stored[0], elements="Lazy")
+    # Without dask the flag that needs it is named, not reported as a damaged file.
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "dask" else real(name, *a))
+    for flag, kwargs in (("elements='lazy'", {"elements": "lazy"}), ("dask=True", {"dask": True})):
+        with pytest.raises(ImportError, match=re.escape(f"{flag} needs dask: pip install")):
+            dc.read_deltacells(stored[0], **kwargs)
 
 
 def test_read_obs_names_names_a_selection(stored, tmp_path):

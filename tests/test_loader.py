@@ -326,6 +326,15 @@ def test_errors(pair):
         dc.Loader(url, obs=["_index"])
     with pytest.raises(ValueError, match="float"):
         dc.Loader(url, values_dtype=np.int32, normalize=1e4)
+    # Refused when the loader is made, naming the argument (not in its first batch).
+    with pytest.raises(ValueError, match="n_threads=0 is not allowed"):
+        dc.Loader(url, n_threads=0)
+    with pytest.raises(TypeError, match="n_threads must be an int or None, not str"):
+        dc.Loader(url, n_threads="2")
+    with pytest.raises(TypeError, match="batch_size must be an int, not float"):
+        dc.Loader(url, batch_size=64.0)
+    with pytest.raises(TypeError, match="prefetch must be an int, not bool"):
+        dc.Loader(url, prefetch=True)
 
 
 def test_take_rows_kernel_checks_its_output_rows():

@@ -3,6 +3,7 @@ with obs, var and every stored part restored."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +16,7 @@ from numpy.typing import DTypeLike
 
 from deltacells.codec._rows import decimal_name_objects, decimal_names
 from deltacells.codec.format import FormatError, LimitError, get_limits
+from deltacells.codec.threads import effective_n_threads
 from deltacells.read.dataset import (
     Dataset,
     open_dataset,
@@ -126,6 +128,7 @@ def read_deltacells(
         X is a :class:`DeltacellsCSRDataset` (or a dask array); obs and var are in memory.
     """
     _register_with_scanpy()
+    effective_n_threads(n_threads)  # a bad count is named before anything is read
     dataset = open_dataset(url_or_path, storage_options=storage_options, timeout=timeout,
                            deadline=deadline)  # fmt: skip
     options = {
@@ -140,6 +143,11 @@ def read_deltacells(
         raise ValueError(f"row_order must be 'stored' or 'source', not {row_order!r}")
     if obs_names not in ("names", "positions"):
         raise ValueError(f"obs_names must be 'names' or 'positions', not {obs_names!r}")
+    if not (isinstance(elements, bool) or elements == "lazy"):
+        raise ValueError(f"elements must be True, False or 'lazy', not {elements!r}")
+    if (dask or elements == "lazy") and importlib.util.find_spec("dask") is None:
+        flag = "dask=True" if dask else "elements='lazy'"
+        raise ImportError(f"{flag} needs dask: pip install 'deltacells[dask]'")
     X = _lazy_matrix(dataset, options)
     var = _var(dataset, column_order)
     rows = None if bbox is None else dataset.query_bbox(bbox, mode=bbox_mode).rows

@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 from deltacells.codec import _checksum
 from deltacells.codec._rows import string_objects
 from deltacells.codec.format import FormatError
+from deltacells.codec.threads import effective_n_threads
 from deltacells.read.obs_part import ObsPart, category_from_codes
 from deltacells.read.stored import PARQUET_ERRORS, arrow_reader
 from deltacells.store.manifest import OBS_SCHEMA_NAME, ObsSchema
@@ -250,6 +251,9 @@ class ObsCache:
         FormatError
             For string buffers out of bounds or bytes that are not UTF-8, naming the file.
         """
+        # A bad thread count is the caller's mistake, not the file's: refused before the
+        # kernel's errors are named as the file's below.
+        n_threads = effective_n_threads(n_threads)
         where = f"{self.path(column)}: obs names column {column!r}"
         values = self.column(column)
         if rows is not None:

@@ -184,6 +184,8 @@ def read_elements(store: Store, names: list[str], lazy: bool = False,
                 out[name] = {key: _read_lazily(group[name][key]) for key in group[name]}
             else:
                 out[name] = ad.io.read_elem(group[name])
+        except ImportError:
+            raise  # a module missing here (dask, for lazy arrays) is not the file's fault
         except Exception as err:
             checked = _format_error_in(err)
             if checked is not None:

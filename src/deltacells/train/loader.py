@@ -25,6 +25,7 @@ it. ``"cells"`` gathers only the chunks of the compressed tiles a batch's cells 
 from __future__ import annotations
 
 import importlib.util
+import numbers
 import os
 import queue
 import threading
@@ -208,8 +209,13 @@ class Loader:
             raise ValueError(f"output must be one of {OUTPUTS}, not {output!r}")
         if output.startswith("torch") and importlib.util.find_spec("torch") is None:
             raise ImportError(f"output={output!r} needs torch: pip install 'deltacells[torch]'")
+        for name, value in (("batch_size", batch_size), ("buffer_tiles", buffer_tiles),
+                            ("prefetch", prefetch)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an int, not {type(value).__name__}")
         if batch_size < 1 or buffer_tiles < 1 or prefetch < 1:
             raise ValueError("batch_size, buffer_tiles and prefetch must be at least 1")
+        effective_n_threads(n_threads)  # a bad count is named here, not in the first batch
         if column_order not in ("source", "stored"):
             raise ValueError(f"column_order must be 'source' or 'stored', not {column_order!r}")
         if not sorted_indices and output != "scipy":
