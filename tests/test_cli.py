@@ -213,6 +213,7 @@ BAD_CONVERTS = [
      "--spatial-key and --shapes both give the cells' positions"),
     (["--shapes", "missing.parquet"], "shapes file missing.parquet: not found"),
     (["--threads", "-3"], "leaves no thread on this machine's"),
+    (["--threads", "0"], "--threads 0 is not allowed; leave --threads out for the default"),
     (["--n-chunks", "100000"], "--n-chunks 100000 is more than the 4,096 cells of a tile"),
     (["--spatial-key", "spatial", "--grid-tile-size", "0"], "--grid-tile-size must be a "
                                                             "positive number"),

@@ -101,6 +101,9 @@ def _check_threads(threads: int | None) -> None:
     """``--threads -N`` that leaves no thread on this machine is a mistake, not "one"."""
     from deltacells.codec.threads import usable_cpu_count
 
+    if threads == 0:  # before any input is read (the library would say so only later)
+        raise ValueError("--threads 0 is not allowed; leave --threads out for the default "
+                         "(OMP_NUM_THREADS or the usable CPUs) or pass a count >= 1")  # fmt: skip
     if threads is not None and threads < 0 and usable_cpu_count() + 1 + threads < 1:
         raise ValueError(f"--threads {threads} leaves no thread on this machine's "
                          f"{usable_cpu_count()} usable CPUs (-1 is all of them, -2 all but one); "
@@ -445,7 +448,7 @@ _FLAG_LANGUAGE = (
     (re.compile(r"\bpoint_radius\b"), "--point-radius"),
     (re.compile(r"\bn_chunks=(-?\d+)"), r"--n-chunks \1"),
     (re.compile(r"\bn_threads=(-?\d+)"), r"--threads \1"),
-    (re.compile(r"or None for the default"), "or leave --threads out"),
+    (re.compile(r"use None for the default"), "leave --threads out for the default"),
     (re.compile(r"\bblock_cells=(\d+)"), r"--block-cells \1"),
     (re.compile(r"\bblock_cells\b"), "--block-cells"),
     (re.compile(r"\btile_size\b"), "--tile-size"),
