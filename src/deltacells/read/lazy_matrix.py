@@ -17,7 +17,7 @@ from numpy.typing import DTypeLike
 
 from deltacells.codec._decode import ColumnMap
 from deltacells.codec.threads import effective_n_threads
-from deltacells.codec.tile import Tile, _value_dtype, empty_output
+from deltacells.codec.tile import VALUE_DTYPES, Tile, _value_dtype, empty_output
 from deltacells.read.dataset import (
     Dataset,
     gather_cells,
@@ -221,10 +221,13 @@ class DeltacellsCSRDataset(CSRDataset):
         positions, _ = _normalize_rows(positions, self.shape[0])
         return self._showing(positions if self._rows is None else self._rows[positions])
 
-    def _showing(self, rows: np.ndarray | None) -> DeltacellsCSRDataset:
-        """This matrix's dataset and options, showing stored ``rows`` (None: every cell)."""
+    def _showing(self, rows: np.ndarray | None,
+                 values_dtype: np.dtype | None = None) -> DeltacellsCSRDataset:  # fmt: skip
+        """This matrix's dataset and options, showing stored ``rows`` (None: every cell), its
+        values as ``values_dtype`` (None: as this one's)."""
+        dtype = self.dtype if values_dtype is None else values_dtype
         return DeltacellsCSRDataset(self.dataset, column_order=self.column_order,
-                                    values_dtype=self.dtype, n_threads=self.n_threads,
+                                    values_dtype=dtype, n_threads=self.n_threads,
                                     tile_cache_bytes=self.tile_cache_bytes,
                                     ranged_reads=self.ranged_reads, rows=rows)  # fmt: skip
 
@@ -514,6 +517,20 @@ class DeltacellsCSRDataset(CSRDataset):
         """A lazy copy (``AnnData.copy()`` keeps X lazy): the stored data never changes, so
         the copy shares the opened dataset and starts with an empty tile cache."""
         return self._showing(self._rows)
+
+    def astype(self, dtype: DTypeLike, copy: bool = True) -> Any:
+        """X with its values as ``dtype``, still lazy (what ``scanpy.pp.normalize_total`` asks
+        of integer counts before it normalises).
+
+        ``int32``, ``float32`` and ``float64`` give a lazy matrix of the same rows that decodes
+        straight into that dtype (as ``read_deltacells(values_dtype=...)`` would); other dtypes
+        give the dask array over tiles, cast (with the ``dask`` extra). Without ``copy``, a
+        matrix already of ``dtype`` is returned itself.
+        """
+        dtype = np.dtype(dtype)
+        if dtype in VALUE_DTYPES:
+            return self if dtype == self.dtype and not copy else self._showing(self._rows, dtype)
+        return self._as_dask_for(f"X.astype({dtype})").astype(dtype)
 
     def _tile_reduce(self, per_tile: Callable[[sp.csr_matrix], np.ndarray]) -> list:
         return [per_tile(self.block_matrix(b)) for b in range(self.n_blocks)]
