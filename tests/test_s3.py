@@ -400,3 +400,23 @@ def test_obstore_client_refuses_tiles_of_the_wrong_size(s3):
         dataset.tile(1)
     with pytest.raises(dc.FormatError, match=r"tile_000002\.dct: 0 bytes, the manifest says"):
         dataset.tile(2)
+
+
+def test_client_errors_retrying_cannot_mend_say_what_to_do(s3, monkeypatch, tmp_path):
+    # botocore's own errors came out bare (NoCredentialsError, EndpointConnectionError).
+    url, options, _, _ = s3
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    no_keys = {k: v for k, v in options.items() if k not in ("key", "secret")}
+    with pytest.raises(StorageError, match=r"manifest\.json: exists failed: NoCredentialsError"
+                                           r".*storage_options=\{'anon': True\}"):
+        dc.read_deltacells(url, storage_options=no_keys, cache_dir=tmp_path)
+    # Nothing listens on port 1: the connection is refused (botocore's one attempt).
+    nowhere = {**options, "client_kwargs": {"endpoint_url": "http://127.0.0.1:1"},
+               "config_kwargs": {"retries": {"total_max_attempts": 1}}}  # fmt: skip
+    with pytest.raises(StorageError, match=r"EndpointConnectionError.*check the URL, the "
+                                           r"endpoint"):
+        dc.read_deltacells(url, storage_options=nowhere, cache_dir=tmp_path)

@@ -65,6 +65,20 @@ def _describe_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
+def _remote_advice(err: BaseException) -> str:
+    """What to try for a remote client's error that retrying cannot mend."""
+    kind = type(err).__name__
+    if "Credential" in kind:
+        return ("; for a public bucket pass storage_options={'anon': True}, otherwise give "
+                "credentials (the environment, ~/.aws, or storage_options key= and secret=)")
+    if isinstance(err, PermissionError) or "AccessDenied" in str(err):
+        return "; check the credentials and the bucket's permissions"
+    if "Connect" in kind:
+        return ("; check the URL, the endpoint (storage_options={'client_kwargs': "
+                "{'endpoint_url': ...}}) and the network")
+    return ""
+
+
 class RequestTimeout(TimeoutError):
     """One request took longer than the store's ``timeout``."""
 
@@ -369,7 +383,12 @@ class Store:
                 raise FormatError(f"{self.describe(name)}: missing") from None
             except Exception as err:
                 if not self._is_transient(err):
-                    raise
+                    if self.is_local or isinstance(err, FormatError | StorageError):
+                        raise
+                    # The remote client's own errors (botocore's, aiohttp's, ...) named with
+                    # the URL and what to do, not bare.
+                    raise StorageError(f"{self.describe(name)}: {what} failed: "
+                                       f"{_describe_error(err)}{_remote_advice(err)}") from err
                 elapsed = time.monotonic() - start
                 out_of_time = elapsed + delay >= self.deadline and not self.is_local
                 if attempt > self.retries or out_of_time:
