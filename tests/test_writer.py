@@ -713,3 +713,17 @@ def test_shuffled_atlas_obs_stays_memory_mapped(tmp_path):
     peak = int(done.stdout.split()[-1])
     assert peak < 2e6, peak  # the obs names alone are about 5 MB
     assert dc.read_deltacells(tmp_path / "d", elements=False).n_obs == 24_000
+
+
+def test_names_the_writer_refuses_say_what_to_do(tmp_path):
+    repeated = small_adata(n_cells=20)
+    repeated.var_names = ["g"] * repeated.n_vars
+    with pytest.raises(ValueError, match=r"var_names are not unique \('g' repeats\); make them "
+                                         r"unique first \(anndata's adata.var_names_make_unique"):
+        dc.write_deltacells(repeated, tmp_path / "a", progress=False)
+    reserved = small_adata(n_cells=20)
+    reserved.obs["_index"] = "x"
+    with pytest.raises(ValueError, match=r"column named '_index', which holds obs_names .* "
+                                         r"rename or drop that column first"):
+        dc.write_deltacells(reserved, tmp_path / "b", progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

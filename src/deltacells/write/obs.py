@@ -192,7 +192,9 @@ def summarize(frame: pd.DataFrame, max_categories: int) -> InputSummary:
 
 def _check_names(columns: pd.Index) -> None:
     if OBS_INDEX_COLUMN in columns:
-        raise ValueError(f"obs has a column named {OBS_INDEX_COLUMN!r}, which holds obs_names")
+        raise ValueError(f"obs has a column named {OBS_INDEX_COLUMN!r}, which holds obs_names "
+                         f"in a stored dataset (and anndata's files); rename or drop that "
+                         f"column first")  # fmt: skip
     stored = [str(c) for c in columns]
     clashes = sorted({n for n in stored if stored.count(n) > 1})
     if clashes:

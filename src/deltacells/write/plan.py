@@ -35,7 +35,9 @@ def _align_genes(parts: list[_Part], join: str) -> tuple[pd.Index, list[np.ndarr
     for part in parts:
         if not part.var.index.is_unique:
             dup = part.var.index[part.var.index.duplicated()][0]
-            raise ValueError(f"{part.label}: var_names are not unique ({dup!r} repeats)")
+            raise ValueError(f"{part.label}: var_names are not unique ({dup!r} repeats); make "
+                             "them unique first (anndata's adata.var_names_make_unique()) and "
+                             "write that AnnData")  # fmt: skip
     names = parts[0].var.index
     if join == "same":
         for part in parts[1:]:
