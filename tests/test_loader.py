@@ -636,3 +636,70 @@ def test_an_epoch_over_100m_cells_holds_per_tile_state_only():
     assert len(runs) == 6104 and len(middle) == 4096  # half of ceil(50,000,384 / 4096)
     assert len(set(middle.tolist())) == 4096 and len(first_tiles) in (2, 4)
     assert peak < 8 * 2**20, peak
+
+
+def _epoch_reading(loader, epoch: int, monkeypatch) -> tuple[list, list[int]]:
+    """Epoch ``epoch``'s batches (rows of their cells) and the tiles read for it."""
+    read: list[int] = []
+    real = type(loader.dataset).tile
+
+    def counting(dataset, index, **kwargs):
+        read.append(index)
+        return real(dataset, index, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(type(loader.dataset), "tile", counting)
+        loader.set_epoch(epoch)
+        batches = [(batch.cells, sp.csr_matrix(batch.X)) for batch in loader]
+    return batches, read
+
+
+@pytest.mark.parametrize("mode", ["tiles", "none"])
+def test_tile_modes_keep_tiles_across_epochs(pair, mode, monkeypatch):
+    url, adata = pair
+    n_tiles = dc.open_dataset(url).manifest.n_tiles
+    kept = dc.Loader(url, batch_size=96, shuffle=mode, seed=4)
+    unkept = dc.Loader(url, batch_size=96, shuffle=mode, seed=4, tile_cache_bytes=0)
+    for epoch in range(3):
+        got, read = _epoch_reading(kept, epoch, monkeypatch)
+        want, read_again = _epoch_reading(unkept, epoch, monkeypatch)
+        # Every tile read (and checked) once per loader, not once per epoch.
+        assert sorted(read) == (list(range(n_tiles)) if epoch == 0 else [])
+        assert sorted(set(read_again)) == list(range(n_tiles))
+        for (cells, matrix), (cells2, matrix2) in zip(got, want, strict=True):
+            np.testing.assert_array_equal(cells, cells2)
+            assert (matrix != matrix2).nnz == 0 and (matrix != adata.X[cells]).nnz == 0
+    assert len(kept._kept_tiles) == n_tiles and unkept._kept_tiles == {}
+
+
+def test_kept_tiles_stay_within_the_budget_and_are_not_pickled(pair, monkeypatch):
+    import pickle
+
+    url, _ = pair
+    sizes = dc.open_dataset(url).manifest.tile_bytes
+    budget = int(sum(sizes) // 3)
+    loader = dc.Loader(url, batch_size=128, seed=1, tile_cache_bytes=budget)
+    _, first = _epoch_reading(loader, 0, monkeypatch)
+    assert sorted(set(first)) == list(range(len(sizes)))
+    kept = set(loader._kept_tiles)
+    assert 0 < loader._kept_bytes <= budget and loader._kept_bytes == sum(sizes[t] for t in kept)
+    # The first tiles read stay; later epochs read only the others.
+    _, second = _epoch_reading(loader, 1, monkeypatch)
+    assert set(second) == set(range(len(sizes))) - kept and set(loader._kept_tiles) == kept
+    # A worker keeps its share of the budget.
+    worker = dc.Loader(url, batch_size=128, seed=1, tile_cache_bytes=budget)
+    worker.set_worker(0, 2)
+    _epoch_reading(worker, 0, monkeypatch)
+    assert 0 < worker._kept_bytes <= budget // 2
+    # Pickled (for spawned workers) without them: each process keeps its own.
+    copy = pickle.loads(pickle.dumps(loader))
+    assert copy._kept_tiles == {} and copy._kept_bytes == 0
+    assert [c.tolist() for c in cells_of(copy)] == [c.tolist() for c in cells_of(loader)]
+    # "cells" mode keeps nothing across epochs (its cache lives for one epoch).
+    cells_mode = dc.Loader(url, batch_size=128, shuffle="cells", seed=1)
+    _epoch_reading(cells_mode, 0, monkeypatch)
+    assert cells_mode._kept_tiles == {}
+    with pytest.raises(ValueError, match="tile_cache_bytes must be >= 0"):
+        dc.Loader(url, tile_cache_bytes=-1)
+    with pytest.raises(TypeError, match="tile_cache_bytes must be an int, not float"):
+        dc.Loader(url, tile_cache_bytes=1.5e8)

@@ -168,7 +168,13 @@ class Loader:
         200 ms, 150 MB/s link holds in flight; ``benchmarks/bench_remote.py`` sweeps it),
         0 for local files (reading them is quick next to decoding).
     tile_cache_bytes
-        Most bytes of compressed tiles kept in ``"cells"`` mode (every batch reads every tile).
+        Most bytes of compressed tiles kept in memory. In the tile modes (``"tiles"``,
+        ``"none"``) the first tiles read, up to this many bytes, are kept across epochs and
+        neither read nor checked again: a dataset that fits is read once per loader (on a
+        remote store, fetched once), and later epochs skip reading and checking its files
+        (about a tenth of a local epoch; ``docs/benchmarks.md``). In ``"cells"`` mode (every
+        batch reads every tile) the most recently used tiles are kept while an epoch runs.
+        Split evenly between :meth:`set_worker`'s workers; 0 keeps none.
     n_threads
         Decoding threads; ``None`` resolves like scikit-learn.
     storage_options, cache_dir
@@ -245,7 +251,18 @@ class Loader:
         if (normalize is not None or log1p) and self.dtype.kind != "f":
             raise ValueError("normalize / log1p need a float values_dtype")
         self.n_threads = n_threads
-        self.tile_cache_bytes = tile_cache_bytes
+        if isinstance(tile_cache_bytes, bool) or not isinstance(tile_cache_bytes,
+                                                                 numbers.Integral):  # fmt: skip
+            raise TypeError(f"tile_cache_bytes must be an int, not "
+                            f"{type(tile_cache_bytes).__name__}")  # fmt: skip
+        if tile_cache_bytes < 0:
+            raise ValueError("tile_cache_bytes must be >= 0")
+        self.tile_cache_bytes = int(tile_cache_bytes)
+        # Parsed (checked) compressed tiles kept across epochs in the tile modes; see
+        # tile_cache_bytes. Not pickled: each worker process keeps its own share.
+        self._kept_tiles: dict[int, Tile] = {}
+        self._kept_bytes = 0
+        self._kept_lock = threading.Lock()  # two iterations of one loader may run at once
         self.column_order = column_order
         self.sorted_indices = bool(sorted_indices)
         self._worker = (0, 1)  # (worker id, number of workers) within this rank
@@ -333,6 +350,30 @@ class Loader:
         if not 0 <= worker_id < num_workers:
             raise ValueError(f"worker {worker_id} outside {num_workers} workers")
         self._worker = (worker_id, num_workers)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_kept_tiles"], state["_kept_bytes"] = {}, 0
+        del state["_kept_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._kept_lock = threading.Lock()
+
+    def _kept_tile(self, t: int) -> Tile | None:
+        """Tile ``t`` if an earlier epoch kept it (parsed and checked when it was read)."""
+        return self._kept_tiles.get(t)
+
+    def _keep_tile(self, t: int, tile: Tile) -> None:
+        """Keep tile ``t`` for later epochs while this worker's share of
+        ``tile_cache_bytes`` has room (the first tiles read stay; none are evicted, so an
+        epoch's reads of the rest are not traded for re-reads of these)."""
+        share = self.tile_cache_bytes // self._worker[1]
+        with self._kept_lock:
+            if t not in self._kept_tiles and self._kept_bytes + tile.nbytes <= share:
+                self._kept_tiles[t] = tile
+                self._kept_bytes += tile.nbytes
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s plan from the next iteration on (and start it from its
@@ -541,15 +582,24 @@ class _BatchBuilder:
         while len(self.inflight) < loader.prefetch_tiles and self.next_up < len(self.upcoming):
             t = self.upcoming[self.next_up]
             self.next_up += 1
-            if t not in self.decoded and t not in self.compressed:
+            if (t not in self.decoded and t not in self.compressed
+                    and loader._kept_tile(t) is None):  # fmt: skip
                 name = tile_name(t)
                 self.inflight[t] = loader.dataset.store.prefetch([name], [m.tile_bytes[t]])[name]
 
     def _parsed(self, t: int) -> Tile:
-        """Tile ``t`` parsed, from its prefetched bytes when they were asked for."""
+        """Tile ``t`` parsed: kept from an earlier epoch, or read (from its prefetched bytes
+        when they were asked for) and checked, and kept for later epochs in the tile modes
+        while there is room."""
+        loader = self.loader
+        tile = loader._kept_tile(t)
+        if tile is not None:
+            return tile
         future = self.inflight.pop(t, None)
         blob = future.result() if future is not None else None
-        tile = self.loader.dataset.tile(t, n_threads=self.n_threads, blob=blob)
+        tile = loader.dataset.tile(t, n_threads=self.n_threads, blob=blob)
+        if loader.shuffle != "cells":
+            loader._keep_tile(t, tile)
         self._fetch_ahead()
         return tile
 
