@@ -703,3 +703,26 @@ def test_kept_tiles_stay_within_the_budget_and_are_not_pickled(pair, monkeypatch
         dc.Loader(url, tile_cache_bytes=-1)
     with pytest.raises(TypeError, match="tile_cache_bytes must be an int, not float"):
         dc.Loader(url, tile_cache_bytes=1.5e8)
+
+
+def test_torch_dataset_keeps_its_loader_and_tiles_in_one_process(pair, monkeypatch):
+    torch = pytest.importorskip("torch")
+    import pickle
+
+    url, _ = pair
+    dataset = dc.TorchIterableDataset(url, batch_size=100, seed=3)
+    first = [b["cells"].numpy() for b in dataset]
+    loader = dataset._loader[1]
+    dataset.set_epoch(1)
+    read: list[int] = []
+    real = type(loader.dataset).tile
+    monkeypatch.setattr(type(loader.dataset), "tile",
+                        lambda ds, i, **kw: read.append(i) or real(ds, i, **kw))
+    second = [b["cells"].numpy() for b in torch.utils.data.DataLoader(dataset, batch_size=None)]
+    assert dataset._loader[1] is loader and read == []  # the same loader, no tile read again
+    expected = dc.Loader(url, batch_size=100, seed=3)
+    expected.set_epoch(1)
+    for got, want in zip(second, cells_of(expected), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert len(first) == len(second)
+    assert pickle.loads(pickle.dumps(dataset))._loader is None  # workers make their own

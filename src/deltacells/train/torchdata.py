@@ -28,6 +28,12 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
     about as many workers as cores; with ``"spawn"`` (or ``"forkserver"``) each worker may
     use several threads (``n_threads``).
 
+    Each process keeps one :class:`~deltacells.Loader` across iterations, and with it the
+    tiles it keeps across epochs (``tile_cache_bytes``): without workers, or with
+    ``persistent_workers=True``, a dataset that fits is read once. Workers that are not
+    persistent start each epoch anew and read every tile again; ``tile_cache_bytes=0`` then
+    spares the memory of keeping them.
+
     Parameters
     ----------
     url
@@ -43,6 +49,12 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
         self.loader_options = loader_options
         self.epoch = 0
         self.batches_done = 0
+        self._loader: tuple[int, Loader] | None = None  # (process id, loader) made there
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_loader"] = None  # each worker process makes its own
+        return state
 
     def set_epoch(self, epoch: int) -> None:
         """Iterate epoch ``epoch`` from its start from the next ``iter()`` on."""
@@ -67,7 +79,9 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
         self.batches_done = int(state["batches_done"])
 
     def __iter__(self):
-        loader = Loader(self.url, **self.loader_options)
+        if self._loader is None or self._loader[0] != os.getpid():
+            self._loader = (os.getpid(), Loader(self.url, **self.loader_options))
+        loader = self._loader[1]
         info = torch.utils.data.get_worker_info()
         worker, n_workers = (0, 1) if info is None else (info.id, info.num_workers)
         # A new DataLoader asks worker 0 first: it plays the part of the worker whose turn
