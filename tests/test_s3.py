@@ -420,3 +420,22 @@ def test_client_errors_retrying_cannot_mend_say_what_to_do(s3, monkeypatch, tmp_
     with pytest.raises(StorageError, match=r"EndpointConnectionError.*check the URL, the "
                                            r"endpoint"):
         dc.read_deltacells(url, storage_options=nowhere, cache_dir=tmp_path)
+
+
+def test_a_loader_fetches_a_dataset_that_fits_once(s3, monkeypatch):
+    url, options, adata, _ = s3
+    loader = dc.Loader(url, storage_options=options, batch_size=128, seed=5)
+    fetched: list[str] = []
+    real = Store.read_buffer
+    monkeypatch.setattr(Store, "read_buffer",
+                        lambda store, name, *a, **k: fetched.append(name) or real(store, name,
+                                                                                 *a, **k))
+    n_tiles = loader.dataset.manifest.n_tiles
+    for epoch in range(3):
+        fetched.clear()
+        loader.set_epoch(epoch)
+        batches = list(loader)
+        tiles = sorted(n for n in fetched if n.startswith("tiles/"))
+        assert len(tiles) == (n_tiles if epoch == 0 else 0), (epoch, tiles)
+        for batch in batches:
+            assert (batch.X != adata.X[batch.cells]).nnz == 0
