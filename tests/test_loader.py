@@ -660,11 +660,13 @@ def test_tile_modes_keep_tiles_across_epochs(pair, mode, monkeypatch):
     n_tiles = dc.open_dataset(url).manifest.n_tiles
     kept = dc.Loader(url, batch_size=96, shuffle=mode, seed=4)
     unkept = dc.Loader(url, batch_size=96, shuffle=mode, seed=4, tile_cache_bytes=0)
-    for epoch in range(3):
+    for epoch in range(4):
         got, read = _epoch_reading(kept, epoch, monkeypatch)
         want, read_again = _epoch_reading(unkept, epoch, monkeypatch)
-        # Every tile read (and checked) once per loader, not once per epoch.
-        assert sorted(read) == (list(range(n_tiles)) if epoch == 0 else [])
+        # Nothing kept in the first epoch (a loader iterated once holds no more memory); the
+        # second keeps what it reads, and later ones read (and check) nothing again.
+        assert sorted(read) == (list(range(n_tiles)) if epoch < 2 else [])
+        assert len(kept._kept_tiles) == (0 if epoch == 0 else n_tiles)
         assert sorted(set(read_again)) == list(range(n_tiles))
         for (cells, matrix), (cells2, matrix2) in zip(got, want, strict=True):
             np.testing.assert_array_equal(cells, cells2)
@@ -679,25 +681,29 @@ def test_kept_tiles_stay_within_the_budget_and_are_not_pickled(pair, monkeypatch
     sizes = dc.open_dataset(url).manifest.tile_bytes
     budget = int(sum(sizes) // 3)
     loader = dc.Loader(url, batch_size=128, seed=1, tile_cache_bytes=budget)
-    _, first = _epoch_reading(loader, 0, monkeypatch)
+    _epoch_reading(loader, 0, monkeypatch)
+    assert loader._kept_tiles == {}
+    _, first = _epoch_reading(loader, 1, monkeypatch)
     assert sorted(set(first)) == list(range(len(sizes)))
     kept = set(loader._kept_tiles)
     assert 0 < loader._kept_bytes <= budget and loader._kept_bytes == sum(sizes[t] for t in kept)
-    # The first tiles read stay; later epochs read only the others.
-    _, second = _epoch_reading(loader, 1, monkeypatch)
+    # The first tiles kept stay; later epochs read only the others.
+    _, second = _epoch_reading(loader, 2, monkeypatch)
     assert set(second) == set(range(len(sizes))) - kept and set(loader._kept_tiles) == kept
     # A worker keeps its share of the budget.
     worker = dc.Loader(url, batch_size=128, seed=1, tile_cache_bytes=budget)
     worker.set_worker(0, 2)
-    _epoch_reading(worker, 0, monkeypatch)
+    for epoch in range(2):
+        _epoch_reading(worker, epoch, monkeypatch)
     assert 0 < worker._kept_bytes <= budget // 2
     # Pickled (for spawned workers) without them: each process keeps its own.
     copy = pickle.loads(pickle.dumps(loader))
-    assert copy._kept_tiles == {} and copy._kept_bytes == 0
+    assert copy._kept_tiles == {} and copy._kept_bytes == 0 and copy._iterations == 0
     assert [c.tolist() for c in cells_of(copy)] == [c.tolist() for c in cells_of(loader)]
     # "cells" mode keeps nothing across epochs (its cache lives for one epoch).
     cells_mode = dc.Loader(url, batch_size=128, shuffle="cells", seed=1)
-    _epoch_reading(cells_mode, 0, monkeypatch)
+    for epoch in range(2):
+        _epoch_reading(cells_mode, epoch, monkeypatch)
     assert cells_mode._kept_tiles == {}
     with pytest.raises(ValueError, match="tile_cache_bytes must be >= 0"):
         dc.Loader(url, tile_cache_bytes=-1)
@@ -714,6 +720,8 @@ def test_torch_dataset_keeps_its_loader_and_tiles_in_one_process(pair, monkeypat
     first = [b["cells"].numpy() for b in dataset]
     loader = dataset._loader[1]
     dataset.set_epoch(1)
+    assert len([b for b in dataset]) == len(first) and loader._kept_tiles  # kept from here on
+    dataset.set_epoch(2)
     read: list[int] = []
     real = type(loader.dataset).tile
     monkeypatch.setattr(type(loader.dataset), "tile",
@@ -721,7 +729,7 @@ def test_torch_dataset_keeps_its_loader_and_tiles_in_one_process(pair, monkeypat
     second = [b["cells"].numpy() for b in torch.utils.data.DataLoader(dataset, batch_size=None)]
     assert dataset._loader[1] is loader and read == []  # the same loader, no tile read again
     expected = dc.Loader(url, batch_size=100, seed=3)
-    expected.set_epoch(1)
+    expected.set_epoch(2)
     for got, want in zip(second, cells_of(expected), strict=True):
         np.testing.assert_array_equal(got, want)
     assert len(first) == len(second)

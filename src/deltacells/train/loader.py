@@ -169,12 +169,14 @@ class Loader:
         0 for local files (reading them is quick next to decoding).
     tile_cache_bytes
         Most bytes of compressed tiles kept in memory. In the tile modes (``"tiles"``,
-        ``"none"``) the first tiles read, up to this many bytes, are kept across epochs and
-        neither read nor checked again: a dataset that fits is read once per loader (on a
-        remote store, fetched once), and later epochs skip reading and checking its files
-        (about a tenth of a local epoch; ``docs/benchmarks.md``). In ``"cells"`` mode (every
-        batch reads every tile) the most recently used tiles are kept while an epoch runs.
-        Split evenly between :meth:`set_worker`'s workers; 0 keeps none.
+        ``"none"``), from a loader's second iteration (epoch) on, the tiles it reads, up to
+        this many bytes, are kept and neither read nor checked again: from the third epoch
+        on, a dataset that fits is decoded from memory (on a remote store, not fetched
+        again), skipping about a tenth of a local epoch (``docs/benchmarks.md``). A loader
+        iterated once keeps none (its first epoch runs in about one buffer of tiles, as
+        before). In ``"cells"`` mode (every batch reads every tile) the most recently used
+        tiles are kept while an epoch runs. Split evenly between :meth:`set_worker`'s
+        workers; 0 keeps none.
     n_threads
         Decoding threads; ``None`` resolves like scikit-learn.
     storage_options, cache_dir
@@ -263,6 +265,7 @@ class Loader:
         self._kept_tiles: dict[int, Tile] = {}
         self._kept_bytes = 0
         self._kept_lock = threading.Lock()  # two iterations of one loader may run at once
+        self._iterations = 0  # tiles are kept from the second on (a loader that repeats)
         self.column_order = column_order
         self.sorted_indices = bool(sorted_indices)
         self._worker = (0, 1)  # (worker id, number of workers) within this rank
@@ -353,7 +356,7 @@ class Loader:
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_kept_tiles"], state["_kept_bytes"] = {}, 0
+        state["_kept_tiles"], state["_kept_bytes"], state["_iterations"] = {}, 0, 0
         del state["_kept_lock"]
         return state
 
@@ -408,6 +411,7 @@ class Loader:
     # -- iteration -----------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
+        self._iterations += 1
         batches = self._batches()
         skip = self._batches_done
         results: queue.Queue = queue.Queue(maxsize=self.prefetch)
@@ -470,6 +474,10 @@ class _BatchBuilder:
         self.compressed: OrderedDict[int, Tile] = OrderedDict()
         self.compressed_bytes = 0
         self.n_out_cols = len(loader.var_names)
+        # Kept across epochs from a loader's second iteration on: a loader iterated once
+        # (a single pass, or a torch worker that is not persistent) holds no more memory than
+        # before, and the first epoch reads into recycled buffers, not fresh pages.
+        self.keep_tiles = loader.shuffle != "cells" and loader._iterations >= 2
         # The last batch that may need each tile (from the buffers a batch overlaps, without
         # drawing its cells): a decoded tile is dropped right after it, so memory holds only
         # the tiles still to be used (about one buffer), and its buffers are reused for the
@@ -598,7 +606,7 @@ class _BatchBuilder:
         future = self.inflight.pop(t, None)
         blob = future.result() if future is not None else None
         tile = loader.dataset.tile(t, n_threads=self.n_threads, blob=blob)
-        if loader.shuffle != "cells":
+        if self.keep_tiles:
             loader._keep_tile(t, tile)
         self._fetch_ahead()
         return tile

@@ -29,10 +29,10 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
     use several threads (``n_threads``).
 
     Each process keeps one :class:`~deltacells.Loader` across iterations, and with it the
-    tiles it keeps across epochs (``tile_cache_bytes``): without workers, or with
-    ``persistent_workers=True``, a dataset that fits is read once. Workers that are not
-    persistent start each epoch anew and read every tile again; ``tile_cache_bytes=0`` then
-    spares the memory of keeping them.
+    tiles the loader keeps from its second epoch on (``tile_cache_bytes``): without workers,
+    or with ``persistent_workers=True``, later epochs decode a dataset that fits from memory.
+    Workers that are not persistent start each epoch with a new loader, which reads every
+    tile and keeps none.
 
     Parameters
     ----------
