@@ -122,7 +122,8 @@ class Loader:
         the default tile size, as many as annbatch's default preload). About one buffer of
         decoded cells is held in memory (twice as many while a batch straddles two buffers):
         the batches a buffer feeds, or its decoded tiles, dropped as soon as no later batch
-        needs them.
+        needs them; from the second epoch on, compressed tiles are kept besides (see
+        ``tile_cache_bytes``).
     drop_last
         Drop the cells that do not fill the ranks evenly and the last incomplete batch;
         otherwise ranks are padded by wrapping around to the start of the epoch's order (a few
