@@ -3,7 +3,6 @@ concat (scanpy on the lazy X: test_scanpy_chain.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import warnings
 
@@ -250,9 +249,9 @@ def test_elements_and_dask_options_are_checked(stored, monkeypatch):
     with pytest.raises(ValueError, match="elements must be True, False or 'lazy', not 'Lazy'"):
         dc.read_deltacells(stored[0], elements="Lazy")
     # Without dask the flag that needs it is named, not reported as a damaged file.
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "dask" else real(name, *a))
+    from deltacells.read import assemble
+
+    monkeypatch.setattr(assemble, "dask_array_type", lambda: None)
     for flag, kwargs in (("elements='lazy'", {"elements": "lazy"}), ("dask=True", {"dask": True})):
         with pytest.raises(ImportError, match=re.escape(f"{flag} needs dask: pip install")):
             dc.read_deltacells(stored[0], **kwargs)

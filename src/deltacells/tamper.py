@@ -11,7 +11,6 @@ epoch, then ``verify``. Each path must give exactly what it gives on the intact 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import multiprocessing
 import os
 import shutil
@@ -88,6 +87,7 @@ def read_every_path(root: str | Path, cache_dir: str | Path) -> dict[str, Callab
     are left out."""
     from deltacells.read.assemble import read_deltacells
     from deltacells.read.dataset import open_dataset
+    from deltacells.read.outofcore import dask_array_type
     from deltacells.train.loader import Loader
 
     root = str(root)
@@ -116,7 +116,7 @@ def read_every_path(root: str | Path, cache_dir: str | Path) -> dict[str, Callab
         return _to_memory(adata[np.unique([0, n // 3, n // 2, n - 1])].X)
 
     paths["ranged_reads"] = ranged
-    if importlib.util.find_spec("dask") is not None:  # dask is an optional extra
+    if dask_array_type() is not None:  # dask is an optional extra
         paths["dask"] = lambda: read_deltacells(root, cache_dir=cache_dir, obs=False,
                                                 elements=False, dask=True).X.compute()  # fmt: skip
 

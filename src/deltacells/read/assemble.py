@@ -3,7 +3,6 @@ with obs, var and every stored part restored."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +26,7 @@ from deltacells.read.obscache import ObsCache
 from deltacells.read.outofcore import (
     OutOfCoreAnnData,
     PreparedObs,
+    dask_array_type,
 )
 from deltacells.store.manifest import MANIFEST_NAME, StoredParts
 from deltacells.store.obs_dtypes import index_string_dtype, restore_dtypes
@@ -145,7 +145,7 @@ def read_deltacells(
         raise ValueError(f"obs_names must be 'names' or 'positions', not {obs_names!r}")
     if not (isinstance(elements, bool) or elements == "lazy"):
         raise ValueError(f"elements must be True, False or 'lazy', not {elements!r}")
-    if (dask or elements == "lazy") and importlib.util.find_spec("dask") is None:
+    if (dask or elements == "lazy") and dask_array_type() is None:
         flag = "dask=True" if dask else "elements='lazy'"
         raise ImportError(f"{flag} needs dask: pip install 'deltacells[dask]'")
     X = _lazy_matrix(dataset, options)

@@ -218,12 +218,15 @@ class Loader:
             raise ValueError(f"output must be one of {OUTPUTS}, not {output!r}")
         if output.startswith("torch") and importlib.util.find_spec("torch") is None:
             raise ImportError(f"output={output!r} needs torch: pip install 'deltacells[torch]'")
-        for name, value in (("batch_size", batch_size), ("buffer_tiles", buffer_tiles),
-                            ("prefetch", prefetch)):  # fmt: skip
+        integers = {"batch_size": batch_size, "buffer_tiles": buffer_tiles, "prefetch": prefetch,
+                    "tile_cache_bytes": tile_cache_bytes}  # fmt: skip
+        for name, value in integers.items():
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"{name} must be an int, not {type(value).__name__}")
         if batch_size < 1 or buffer_tiles < 1 or prefetch < 1:
             raise ValueError("batch_size, buffer_tiles and prefetch must be at least 1")
+        if tile_cache_bytes < 0:
+            raise ValueError("tile_cache_bytes must be >= 0")
         effective_n_threads(n_threads)  # a bad count is named here, not in the first batch
         if column_order not in ("source", "stored"):
             raise ValueError(f"column_order must be 'source' or 'stored', not {column_order!r}")
@@ -254,12 +257,6 @@ class Loader:
         if (normalize is not None or log1p) and self.dtype.kind != "f":
             raise ValueError("normalize / log1p need a float values_dtype")
         self.n_threads = n_threads
-        if isinstance(tile_cache_bytes, bool) or not isinstance(tile_cache_bytes,
-                                                                 numbers.Integral):  # fmt: skip
-            raise TypeError(f"tile_cache_bytes must be an int, not "
-                            f"{type(tile_cache_bytes).__name__}")  # fmt: skip
-        if tile_cache_bytes < 0:
-            raise ValueError("tile_cache_bytes must be >= 0")
         self.tile_cache_bytes = int(tile_cache_bytes)
         # Parsed (checked) compressed tiles kept across epochs in the tile modes; see
         # tile_cache_bytes. Not pickled: each worker process keeps its own share.
