@@ -329,8 +329,21 @@ def test_layer_and_raw(tmp_path):
     adata.layers["counts"].data += 1
     adata.raw = adata.copy()
     adata.X = adata.X * 0.5  # normalised values in X: not counts
-    with pytest.raises(dc.CountError, match="non-integral count at cell"):
+    # The message points to what holds counts: a layer first, then raw, else the way to keep them.
+    with pytest.raises(dc.CountError, match=r"non-integral count at cell .*"
+                                            r"layers \['counts'\] do: pass layer='counts'"):
         dc.write_deltacells(adata, tmp_path / "x", progress=False)
+    adata.write_h5ad(tmp_path / "normalised.h5ad")
+    with pytest.raises(dc.CountError, match=r"normalised\.h5ad: non-integral .*layer='counts'"):
+        dc.write_deltacells(tmp_path / "normalised.h5ad", tmp_path / "x", progress=False)
+    only_raw = adata.copy()
+    del only_raw.layers["counts"]
+    with pytest.raises(dc.CountError, match=r"raw\.X does: pass use_raw=True"):
+        dc.write_deltacells(only_raw, tmp_path / "x", progress=False)
+    only_raw.raw = None
+    with pytest.raises(dc.CountError, match=r"stores raw counts .* adata\.layers\['counts'\] "
+                                            r"= adata\.X\.copy\(\) and pass layer='counts'"):
+        dc.write_deltacells(only_raw, tmp_path / "x", progress=False)
     dc.write_deltacells(adata, tmp_path / "layer", layer="counts", progress=False)
     assert_same_matrix(read_back(tmp_path / "layer"), adata.layers["counts"])
     dc.write_deltacells(adata, tmp_path / "raw", use_raw=True, progress=False)

@@ -280,7 +280,10 @@ def _layer_hint(count_layers: list[str], raw_counts: bool) -> str:
                 f"layer={name!r} (deltacells convert --layer {name}); X is kept too")
     if raw_counts:
         return "; X does not hold counts, raw.X does: pass use_raw=True (deltacells convert --raw)"
-    return ""  # nothing to point to: the value and its place say it all
+    # Nothing to point to: say what the format holds and how scanpy users keep it.
+    return ("; deltacells stores raw counts (whole numbers >= 0), and neither a layer nor "
+            "raw.X holds them: write the counts from before normalizing (keep them with "
+            "adata.layers['counts'] = adata.X.copy() and pass layer='counts')")
 
 
 def _file_layer_hint(path: Path) -> str:
