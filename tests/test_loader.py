@@ -203,8 +203,17 @@ def test_gene_subset_equals_slicing_afterwards(pair, mode):
     # Dense outputs skip the sort of each row's entries: same values.
     dense = next(iter(dc.Loader(url, batch_size=128, shuffle=mode, genes=names, output="numpy")))
     np.testing.assert_array_equal(dense.X, adata[dense.cells, names].X.toarray())
-    with pytest.raises(KeyError, match="not in the dataset"):
-        dc.Loader(url, genes=["no-such-gene"])
+    # Plain names (not numpy's repr), how many, and where the names are listed.
+    with pytest.raises(KeyError, match=r"1 of the genes are not in the dataset: "
+                                       r"\['no-such-gene'\] \(deltacells.open_dataset"):
+        dc.Loader(url, genes=[names[0], "no-such-gene"])
+    with pytest.raises(KeyError, match=r"7 of the genes .* and 2 more"):
+        dc.Loader(url, genes=[f"nope{i}" for i in range(7)])
+    with pytest.raises(ValueError, match=f"genes lists {names[1]!r} more than once"):
+        dc.Loader(url, genes=[names[0], names[1], names[1]])
+    with pytest.raises(IndexError, match=f"gene position {adata.n_vars} out of range: the "
+                                         f"dataset has {adata.n_vars} genes"):
+        dc.Loader(url, genes=[0, adata.n_vars])
 
 
 @pytest.fixture(scope="module")
@@ -335,6 +344,21 @@ def test_errors(pair):
         dc.Loader(url, batch_size=64.0)
     with pytest.raises(TypeError, match="prefetch must be an int, not bool"):
         dc.Loader(url, prefetch=True)
+    # seed: every rank and worker draws the same order from it, so it must be a plain int.
+    with pytest.raises(TypeError, match="seed must be an int, not float"):
+        dc.Loader(url, seed=1.5)
+    with pytest.raises(TypeError, match="seed must be an int, not NoneType"):
+        dc.Loader(url, seed=None)
+    with pytest.raises(ValueError, match="seed must be >= 0, not -1"):
+        dc.Loader(url, seed=-1)
+    with pytest.raises(TypeError, match="world_size must be an int, not str"):
+        dc.Loader(url, rank=0, world_size="2")
+    # normalize is a positive target sum (scanpy's target_sum); 0, NaN or a string was taken.
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="normalize must be a positive target sum"):
+            dc.Loader(url, normalize=bad)
+    with pytest.raises(TypeError, match=r"normalize must be a number .* not str"):
+        dc.Loader(url, normalize="1e4")
 
 
 def test_take_rows_kernel_checks_its_output_rows():

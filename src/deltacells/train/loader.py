@@ -25,6 +25,7 @@ it. ``"cells"`` gathers only the chunks of the compressed tiles a batch's cells 
 from __future__ import annotations
 
 import importlib.util
+import math
 import numbers
 import os
 import queue
@@ -219,14 +220,29 @@ class Loader:
         if output.startswith("torch") and importlib.util.find_spec("torch") is None:
             raise ImportError(f"output={output!r} needs torch: pip install 'deltacells[torch]'")
         integers = {"batch_size": batch_size, "buffer_tiles": buffer_tiles, "prefetch": prefetch,
-                    "tile_cache_bytes": tile_cache_bytes}  # fmt: skip
+                    "tile_cache_bytes": tile_cache_bytes, "seed": seed, "rank": rank,
+                    "world_size": world_size, "prefetch_tiles": prefetch_tiles}  # fmt: skip
+        optional = ("rank", "world_size", "prefetch_tiles")  # None: from the environment
         for name, value in integers.items():
+            if value is None and name in optional:
+                continue
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"{name} must be an int, not {type(value).__name__}")
         if batch_size < 1 or buffer_tiles < 1 or prefetch < 1:
             raise ValueError("batch_size, buffer_tiles and prefetch must be at least 1")
         if tile_cache_bytes < 0:
             raise ValueError("tile_cache_bytes must be >= 0")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, not {seed} (every rank and worker must be "
+                             "given the same seed)")  # fmt: skip
+        if normalize is not None and (
+            isinstance(normalize, bool) or not isinstance(normalize, numbers.Real)
+        ):
+            raise TypeError(f"normalize must be a number (the target sum, e.g. 1e4) or None, not "
+                            f"{type(normalize).__name__}")  # fmt: skip
+        if normalize is not None and not (math.isfinite(normalize) and normalize > 0):
+            raise ValueError(f"normalize must be a positive target sum (e.g. 1e4) or None, not "
+                             f"{normalize}")  # fmt: skip
         effective_n_threads(n_threads)  # a bad count is named here, not in the first batch
         if column_order not in ("source", "stored"):
             raise ValueError(f"column_order must be 'source' or 'stored', not {column_order!r}")
@@ -310,15 +326,22 @@ class Loader:
             if source_positions.size and (
                 source_positions.min() < 0 or source_positions.max() >= n_genes
             ):
-                raise IndexError("gene position out of range")
+                bad = source_positions[(source_positions < 0) | (source_positions >= n_genes)]
+                raise IndexError(f"gene position {int(bad[0])} out of range: the dataset has "
+                                 f"{n_genes} genes")  # fmt: skip
         else:
             lookup = {name: i for i, name in enumerate(source_names)}
             missing = [g for g in wanted if g not in lookup]
             if missing:
-                raise KeyError(f"genes not in the dataset: {missing[:5]}")
+                shown = [str(g) for g in missing[:5]]
+                more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+                raise KeyError(f"{len(missing)} of the genes are not in the dataset: {shown}{more} "
+                               "(deltacells.open_dataset(path).var_names() lists its genes)")
             source_positions = np.array([lookup[g] for g in wanted], dtype=np.int64)
-        if len(np.unique(source_positions)) != len(source_positions):
-            raise ValueError("genes lists a gene twice")
+        unique, counts = np.unique(source_positions, return_counts=True)
+        if len(unique) != len(source_positions):
+            twice = str(source_names[unique[np.argmax(counts > 1)]])
+            raise ValueError(f"genes lists {twice!r} more than once")
         output_of_source = np.full(n_genes, -1, dtype=np.int64)
         output_of_source[source_positions] = np.arange(len(source_positions))
         return output_of_source[to_source], source_names[source_positions]
