@@ -257,6 +257,32 @@ def test_elements_and_dask_options_are_checked(stored, monkeypatch):
             dc.read_deltacells(stored[0], **kwargs)
 
 
+def test_mistaken_arguments_are_named_before_reading(stored):
+    # A truthy string would have meant True; a bad mode was only checked inside a box query.
+    cases = [
+        (TypeError, "ranged_reads must be True or False, not 'no'", {"ranged_reads": "no"}),
+        (TypeError, "dask must be True or False, not 'yes'", {"dask": "yes"}),
+        (TypeError, "obs must be True, False or a list of obs column names, not NoneType",
+         {"obs": None}),
+        (TypeError, "tile_cache_bytes must be an int, not float", {"tile_cache_bytes": 1.5}),
+        (ValueError, "tile_cache_bytes must be >= 0, not -5", {"tile_cache_bytes": -5}),
+        (ValueError, "bbox_mode must be one of ('intersects', 'centroid'), not 'within'",
+         {"bbox_mode": "within"}),
+        (TypeError, "cache_dir must be a path or None, not int", {"cache_dir": 123}),
+        (TypeError, "storage_options must be a dict of fsspec options", {"storage_options": "x"}),
+        (TypeError, "timeout must be a number of seconds or None, not str", {"timeout": "5"}),
+    ]  # fmt: skip
+    for error, message, kwargs in cases:
+        with pytest.raises(error, match=re.escape(message)):
+            dc.read_deltacells(stored[0], **kwargs)
+    # One obs column may be named alone (as the Loader takes it), not spelled out.
+    root, source = stored
+    column = source.obs.columns[0]
+    assert list(dc.read_deltacells(root, obs=column).obs.columns) == [column]
+    with pytest.raises(KeyError, match=re.escape("obs columns not in the dataset: ['nope']")):
+        dc.read_deltacells(root, obs="nope")
+
+
 def test_read_obs_names_names_a_selection(stored, tmp_path):
     # The way back from positions to the names read_deltacells gives, for a selection only.
     root, source = stored

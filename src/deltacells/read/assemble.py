@@ -3,6 +3,7 @@ with obs, var and every stored part restored."""
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from deltacells.read.outofcore import (
     PreparedObs,
     dask_array_type,
 )
+from deltacells.spatial.grid import SELECT_MODES
 from deltacells.store.manifest import MANIFEST_NAME, StoredParts
 from deltacells.store.obs_dtypes import index_string_dtype, restore_dtypes
 
@@ -61,7 +63,8 @@ def read_deltacells(
     url_or_path
         Local directory or fsspec URL of the dataset (format version 1 or 2).
     obs
-        ``True`` for all obs columns, a list of column names, or ``False`` for obs_names only.
+        ``True`` for all obs columns, a list of column names (or one name), or ``False`` for
+        obs_names only.
     column_order
         ``"source"`` (default): genes in the order they were written, with ``var`` in that
         order; ``"stored"``: the on-disk order (faster, no column permutation).
@@ -129,6 +132,9 @@ def read_deltacells(
     """
     _register_with_scanpy()
     effective_n_threads(n_threads)  # a bad count is named before anything is read
+    obs = [obs] if isinstance(obs, str) else obs  # one column, named alone
+    _check_arguments(obs=obs, tile_cache_bytes=tile_cache_bytes, dask=dask,
+                     ranged_reads=ranged_reads, bbox_mode=bbox_mode, cache_dir=cache_dir)
     dataset = open_dataset(url_or_path, storage_options=storage_options, timeout=timeout,
                            deadline=deadline)  # fmt: skip
     options = {
@@ -170,6 +176,26 @@ def read_deltacells(
                          for k, v in parts["obsm"].items()}  # fmt: skip
     return OutOfCoreAnnData(X=X, obs=PreparedObs(obs_frame), var=var,
                             obs_names_unique=names_unique, **parts)  # fmt: skip
+
+
+def _check_arguments(*, obs, tile_cache_bytes, dask, ranged_reads, bbox_mode, cache_dir) -> None:
+    """Refuse a mistaken argument of :func:`read_deltacells` by name, before anything is read
+    (a truthy string such as ``ranged_reads="no"`` would otherwise mean True)."""
+    listed = isinstance(obs, Sequence | pd.Index | np.ndarray) and not isinstance(obs, bytes)
+    if not isinstance(obs, bool) and not listed:
+        raise TypeError(f"obs must be True, False or a list of obs column names, not "
+                        f"{type(obs).__name__}")  # fmt: skip
+    for name, flag in (("dask", dask), ("ranged_reads", ranged_reads)):
+        if not isinstance(flag, bool | np.bool_):
+            raise TypeError(f"{name} must be True or False, not {flag!r}")
+    if isinstance(tile_cache_bytes, bool) or not isinstance(tile_cache_bytes, numbers.Integral):
+        raise TypeError(f"tile_cache_bytes must be an int, not {type(tile_cache_bytes).__name__}")
+    if tile_cache_bytes < 0:
+        raise ValueError(f"tile_cache_bytes must be >= 0, not {tile_cache_bytes}")
+    if bbox_mode not in SELECT_MODES:
+        raise ValueError(f"bbox_mode must be one of {SELECT_MODES}, not {bbox_mode!r}")
+    if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
+        raise TypeError(f"cache_dir must be a path or None, not {type(cache_dir).__name__}")
 
 
 def read_obs_names(

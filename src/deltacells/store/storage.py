@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import numbers
 import os
 import shutil
 import stat
@@ -21,7 +22,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -302,6 +303,14 @@ class Store:
     ) -> None:
         root = os.fspath(root)
         self.url = root
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(f"storage_options must be a dict of fsspec options (e.g. "
+                            f"{{'anon': True}}) or None, not {type(storage_options).__name__}")
+        for name, seconds in (("timeout", timeout), ("deadline", deadline)):
+            if seconds is not None and (isinstance(seconds, bool)
+                                        or not isinstance(seconds, numbers.Real)):  # fmt: skip
+                raise TypeError(f"{name} must be a number of seconds or None, not "
+                                f"{type(seconds).__name__}")  # fmt: skip
         self.storage_options = dict(storage_options or {})
         self.retries, self.backoff = retries, backoff
         remote = _is_url(root)
