@@ -91,6 +91,18 @@ def test_pass_one_runs_as_tasks_on_the_cluster(client, inputs, tmp_path, monkeyp
         assert len(checks) >= sum(-(-n // block) for n in n_obs)
 
 
+def test_obs_exclude_on_the_cluster(client, inputs, tmp_path):
+    # The workers read each file's obs; a name no file has is refused there as here.
+    options = {"tile_size": 250, "obs_exclude": "barcode", "progress": False}
+    dc.write_deltacells(inputs, tmp_path / "here", **options)
+    dc.write_deltacells(inputs, tmp_path / "cluster", client=client, **options)
+    same_files(tmp_path / "here", tmp_path / "cluster")
+    assert "barcode" not in dc.open_dataset(tmp_path / "cluster").obs_schema().names
+    with pytest.raises(ValueError, match=r"obs_exclude names \['Barcode'\] but no input"):
+        dc.write_deltacells(inputs, tmp_path / "typo", client=client, obs_exclude=["Barcode"],
+                            progress=False)  # fmt: skip
+
+
 def test_pass_one_on_the_cluster_names_the_first_bad_value(client, inputs, tmp_path):
     import anndata as ad
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import anndata as ad
@@ -370,6 +371,44 @@ def test_unsupported_obs_columns(tmp_path):
     adata.obs["mixed"] = [1, "a"] * (adata.n_obs // 2)
     dc.write_deltacells(adata, tmp_path / "d", obs_exclude=["when", "mixed"], progress=False)
     assert "when" not in dc.open_dataset(tmp_path / "d").obs_schema().names
+    # One name alone is that column (not its letters); a name no obs has is a typo.
+    del adata.obs["when"], adata.obs["mixed"]
+    dc.write_deltacells(adata, tmp_path / "one", obs_exclude="barcode", progress=False)
+    names = dc.open_dataset(tmp_path / "one").obs_schema().names
+    assert "barcode" not in names and "batch" in names
+    with pytest.raises(ValueError, match=r"obs_exclude names \['Barcode'\] but no input's obs "
+                                         r"has that column; check the spelling"):
+        dc.write_deltacells(adata, tmp_path / "typo", obs_exclude=["batch", "Barcode"],
+                            progress=False)  # fmt: skip
+    assert not (tmp_path / "typo").exists()
+    # In a list of inputs, a column that one input has may be left out.
+    other = small_adata(seed=5)
+    other.obs_names = [f"o{n}" for n in other.obs_names]
+    adata.obs["only_here"] = 1.0
+    dc.write_deltacells([adata, other], tmp_path / "two", obs_exclude=["only_here"],
+                        progress=False)  # fmt: skip
+    assert "only_here" not in dc.open_dataset(tmp_path / "two").obs_schema().names
+
+
+def test_arguments_of_the_wrong_kind_are_named(tmp_path):
+    adata = small_adata()
+    cases = [
+        (TypeError, "tile_size must be an int, not bool", {"tile_size": True}),
+        (TypeError, "tile_size must be an int, not float", {"tile_size": 100.5}),
+        (TypeError, "zstd_level must be an int, not str", {"zstd_level": "9"}),
+        (TypeError, "seed must be an int, not float", {"seed": 1.5}),
+        (ValueError, "seed must be >= 0, not -1", {"seed": -1}),
+        (ValueError, "max_categories must be >= 0, not -1", {"max_categories": -1}),
+        (ValueError, "n_workers must be >= 1, not 0", {"n_workers": 0}),
+        (TypeError, "use_raw must be True or False, not 'no'", {"use_raw": "no"}),
+        (TypeError, "shuffle must be True or False, not 'yes'", {"shuffle": "yes"}),
+        (TypeError, "elements must be True or False, not 'lazy'", {"elements": "lazy"}),
+        (TypeError, "progress must be True or False, not 'yes'", {"progress": "yes"}),
+    ]  # fmt: skip
+    for error, message, kwargs in cases:
+        with pytest.raises(error, match=re.escape(message)):
+            dc.write_deltacells(adata, tmp_path / "d", **{"progress": False, **kwargs})
+        assert not (tmp_path / "d").exists()
 
 
 def test_overwrite_rules(tmp_path):

@@ -40,6 +40,10 @@ SOURCE_FILE_COLUMN = "source_file"
 
 Encoder = Callable[[pd.Series], pa.Array]
 
+#: Key of ``DataFrame.attrs`` where :meth:`ObsInputs.frame` notes which ``obs_exclude``
+#: columns the input had (to refuse a name no input has).
+EXCLUDED_FOUND = "deltacells_excluded_found"
+
 
 class ObsInputs:
     """Each input's obs as it enters the output: excluded columns dropped and, for a list of
@@ -59,6 +63,8 @@ class ObsInputs:
     def frame(self, p: int) -> pd.DataFrame:
         obs = self.readers[p]()
         frame = obs.drop(columns=[c for c in self.exclude if c in obs.columns])
+        frame.attrs.pop(EXCLUDED_FOUND, None)
+        frame.attrs[EXCLUDED_FOUND] = [c for c in self.exclude if c in obs.columns]
         if self.file_names is not None:
             code = self._categories.index(self.file_names[p])
             frame = frame.assign(**{SOURCE_FILE_COLUMN: pd.Categorical.from_codes(
@@ -178,6 +184,7 @@ class InputSummary:
     representative: pd.DataFrame
     columns: list[tuple[Any, str, set | None]]  # label, kind, distinct strings
     hashes: np.ndarray  # uint64, one per obs name
+    excluded_found: tuple = ()  # the obs_exclude columns this input had
 
 
 def summarize(frame: pd.DataFrame, max_categories: int) -> InputSummary:
@@ -187,7 +194,8 @@ def summarize(frame: pd.DataFrame, max_categories: int) -> InputSummary:
     columns = [(column, *_column_summary(frame.iloc[:, i], max_categories))
                for i, column in enumerate(frame.columns)]  # fmt: skip
     names = np.asarray(frame.index.astype(str), dtype=object)
-    return InputSummary(_representative_rows(frame), columns, pd.util.hash_array(names))
+    found = tuple(frame.attrs.get(EXCLUDED_FOUND, ()))
+    return InputSummary(_representative_rows(frame), columns, pd.util.hash_array(names), found)
 
 
 def _check_names(columns: pd.Index) -> None:
@@ -212,12 +220,21 @@ def plan_obs(inputs: ObsInputs, max_categories: int,
         summaries = (summarize(inputs.frame(p), max_categories) for p in range(len(inputs)))
     representatives, hashes = [], []
     stats: dict[Any, _ColumnStats] = {}
+    found: set = set()
     for summary in summaries:
+        found.update(summary.excluded_found)
         representatives.append(summary.representative)
         for column, kind, distinct in summary.columns:
             stats.setdefault(column, _ColumnStats()).merge(kind, distinct, max_categories)
         hashes.append(summary.hashes)
+    # A name no input has is a typo, and the column it meant would be kept unasked.
+    unknown = [c for c in inputs.exclude if c not in found]
+    if unknown:
+        raise ValueError(f"obs_exclude names {unknown} but no input's obs has "
+                         f"{'that column' if len(unknown) == 1 else 'these columns'}; check "
+                         "the spelling (obs columns are case-sensitive)")  # fmt: skip
     combined = _concat(representatives)
+    combined.attrs.pop(EXCLUDED_FOUND, None)
     _check_names(combined.columns)
     record = pandas_record(combined)
     columns = [ObsColumn(OBS_INDEX_COLUMN, "string", "string")]

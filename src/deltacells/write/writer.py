@@ -8,6 +8,7 @@ written before the first pass succeeds. Tiles and shards appear atomically, the 
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -165,7 +166,7 @@ def write_deltacells(
     grid_tile_size: float | tuple[float, float] | None = None,
     origin: tuple[float, float] | None = None,
     gene_major: bool = False,
-    obs_exclude: Sequence[str] = (),
+    obs_exclude: Sequence[str] | str = (),
     max_categories: int = 20_000,
     obs_tiles_per_file: int = 1000,
     n_threads: int | None = None,
@@ -244,7 +245,9 @@ def write_deltacells(
         about as many bytes as the tiles; it can be added later with
         ``deltacells add-gene-major``.
     obs_exclude
-        obs columns to leave out (e.g. datetimes, which the format does not store).
+        obs columns to leave out (e.g. datetimes, which the format does not store): a list
+        of names, or one name. A name that no input's obs has is refused (a typo would keep
+        the column it meant).
     max_categories
         Categorical or string obs columns with more distinct values are stored as strings.
     obs_tiles_per_file
@@ -307,6 +310,20 @@ def write_deltacells(
     the directory ``TMPDIR`` names, about the size of the encoded obs), and keeps the cell
     order (8 bytes per cell).
     """
+    obs_exclude = [obs_exclude] if isinstance(obs_exclude, str) else list(obs_exclude)
+    _check_types(
+        ints={"tile_size": tile_size, "n_chunks": n_chunks, "zstd_level": zstd_level,
+              "seed": seed, "max_categories": max_categories,
+              "obs_tiles_per_file": obs_tiles_per_file, "n_workers": n_workers,
+              "cache_bytes": cache_bytes},
+        flags={"obs": obs, "var": var, "use_raw": use_raw, "shuffle": shuffle,
+               "gene_major": gene_major, "overwrite": overwrite, "progress": progress,
+               "elements": elements},
+    )  # fmt: skip
+    for name, value, least in (("seed", seed, 0), ("max_categories", max_categories, 0),
+                               ("cache_bytes", cache_bytes, 0), ("n_workers", n_workers, 1)):
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, not {value}")
     chosen_tile_size = tile_size is not None
     tile_size = DEFAULT_TILE_SIZE if tile_size is None else tile_size
     if tile_size < 1 or (n_chunks is not None and n_chunks < 1) or obs_tiles_per_file < 1:
@@ -569,6 +586,20 @@ def _written_dtype(parts: list[_Part]) -> str | None:
         return None
     dtype = np.result_type(*dtypes)
     return dtype.name if dtype.kind in "iuf" else None
+
+
+def _check_types(*, ints: dict, flags: dict) -> None:
+    """Refuse an argument of the wrong kind by name: a float or bool where an int is meant
+    (``tile_size=True`` would be 1), a string where True or False is (``use_raw="no"`` would
+    be True). None passes for the ints that default to it."""
+    for name, value in ints.items():
+        if value is None and name in ("tile_size", "n_chunks"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    for name, value in flags.items():
+        if not isinstance(value, bool | np.bool_):
+            raise TypeError(f"{name} must be True or False, not {value!r}")
 
 
 def _check_options(*, zstd_level, layer, use_raw, spatial_key, shapes, grid_tile_size, origin,
