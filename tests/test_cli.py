@@ -218,6 +218,10 @@ BAD_CONVERTS = [
     (["--spatial-key", "spatial", "--grid-tile-size", "0"], "--grid-tile-size must be a "
                                                             "positive number"),
     (["--spatial-key", "nothere"], "has no obsm['nothere'] to order cells by"),
+    (["--obs-exclude", "In_tissue"], "--obs-exclude names In_tissue but no input's obs has that "
+                                     "column; check the spelling"),
+    (["--shuffle", "--seed", "-1"], "--seed must be >= 0, not -1"),
+    (["--workers", "0"], "--workers must be >= 1, not 0"),
 ]  # fmt: skip
 
 
