@@ -3,7 +3,6 @@ with obs, var and every stored part restored."""
 
 from __future__ import annotations
 
-import numbers
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +14,7 @@ import pyarrow as pa
 from numpy.typing import DTypeLike
 
 from deltacells.codec._rows import decimal_name_objects, decimal_names
+from deltacells.codec.arguments import check_flags, check_ints
 from deltacells.codec.format import FormatError, LimitError, get_limits
 from deltacells.codec.threads import effective_n_threads
 from deltacells.read.dataset import (
@@ -185,13 +185,8 @@ def _check_arguments(*, obs, tile_cache_bytes, dask, ranged_reads, bbox_mode, ca
     if not isinstance(obs, bool) and not listed:
         raise TypeError(f"obs must be True, False or a list of obs column names, not "
                         f"{type(obs).__name__}")  # fmt: skip
-    for name, flag in (("dask", dask), ("ranged_reads", ranged_reads)):
-        if not isinstance(flag, bool | np.bool_):
-            raise TypeError(f"{name} must be True or False, not {flag!r}")
-    if isinstance(tile_cache_bytes, bool) or not isinstance(tile_cache_bytes, numbers.Integral):
-        raise TypeError(f"tile_cache_bytes must be an int, not {type(tile_cache_bytes).__name__}")
-    if tile_cache_bytes < 0:
-        raise ValueError(f"tile_cache_bytes must be >= 0, not {tile_cache_bytes}")
+    check_flags({"dask": dask, "ranged_reads": ranged_reads})
+    check_ints({"tile_cache_bytes": tile_cache_bytes}, at_least={"tile_cache_bytes": 0})
     if bbox_mode not in SELECT_MODES:
         raise ValueError(f"bbox_mode must be one of {SELECT_MODES}, not {bbox_mode!r}")
     if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):

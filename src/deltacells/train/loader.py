@@ -41,6 +41,7 @@ from numpy.typing import DTypeLike
 
 from deltacells.codec import _rows
 from deltacells.codec._decode import ColumnMap
+from deltacells.codec.arguments import check_ints
 from deltacells.codec.scatter import gather_tiles_into_many
 from deltacells.codec.threads import effective_n_threads
 from deltacells.codec.tile import Tile, _value_dtype, empty_output, gathered_indptr
@@ -219,22 +220,12 @@ class Loader:
             raise ValueError(f"output must be one of {OUTPUTS}, not {output!r}")
         if output.startswith("torch") and importlib.util.find_spec("torch") is None:
             raise ImportError(f"output={output!r} needs torch: pip install 'deltacells[torch]'")
-        integers = {"batch_size": batch_size, "buffer_tiles": buffer_tiles, "prefetch": prefetch,
+        check_ints({"batch_size": batch_size, "buffer_tiles": buffer_tiles, "prefetch": prefetch,
                     "tile_cache_bytes": tile_cache_bytes, "seed": seed, "rank": rank,
-                    "world_size": world_size, "prefetch_tiles": prefetch_tiles}  # fmt: skip
-        optional = ("rank", "world_size", "prefetch_tiles")  # None: from the environment
-        for name, value in integers.items():
-            if value is None and name in optional:
-                continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-        if batch_size < 1 or buffer_tiles < 1 or prefetch < 1:
-            raise ValueError("batch_size, buffer_tiles and prefetch must be at least 1")
-        if tile_cache_bytes < 0:
-            raise ValueError("tile_cache_bytes must be >= 0")
-        if seed < 0:
-            raise ValueError(f"seed must be >= 0, not {seed} (every rank and worker must be "
-                             "given the same seed)")  # fmt: skip
+                    "world_size": world_size, "prefetch_tiles": prefetch_tiles},
+                   optional=("rank", "world_size", "prefetch_tiles"),  # None: the environment
+                   at_least={"batch_size": 1, "buffer_tiles": 1, "prefetch": 1,
+                             "tile_cache_bytes": 0, "seed": 0, "prefetch_tiles": 0})  # fmt: skip
         if normalize is not None and (
             isinstance(normalize, bool) or not isinstance(normalize, numbers.Real)
         ):
@@ -259,8 +250,6 @@ class Loader:
         )
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
         self.buffer_tiles, self.drop_last, self.prefetch = buffer_tiles, drop_last, prefetch
-        if prefetch_tiles is not None and prefetch_tiles < 0:
-            raise ValueError("prefetch_tiles must be >= 0")
         self.prefetch_tiles = (prefetch_tiles if prefetch_tiles is not None
                                else 0 if self.dataset.store.is_local
                                else REMOTE_TILES_IN_FLIGHT)  # fmt: skip

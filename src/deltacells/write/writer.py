@@ -8,7 +8,6 @@ written before the first pass succeeds. Tiles and shards appear atomically, the 
 from __future__ import annotations
 
 import contextlib
-import numbers
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -22,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from deltacells.codec import _encode
+from deltacells.codec.arguments import check_flags, check_ints
 from deltacells.codec.format import MAGIC, FormatError
 from deltacells.codec.npy import npy_bytes
 from deltacells.codec.tile import (
@@ -311,19 +311,15 @@ def write_deltacells(
     order (8 bytes per cell).
     """
     obs_exclude = [obs_exclude] if isinstance(obs_exclude, str) else list(obs_exclude)
-    _check_types(
-        ints={"tile_size": tile_size, "n_chunks": n_chunks, "zstd_level": zstd_level,
-              "seed": seed, "max_categories": max_categories,
-              "obs_tiles_per_file": obs_tiles_per_file, "n_workers": n_workers,
-              "cache_bytes": cache_bytes},
-        flags={"obs": obs, "var": var, "use_raw": use_raw, "shuffle": shuffle,
-               "gene_major": gene_major, "overwrite": overwrite, "progress": progress,
-               "elements": elements},
-    )  # fmt: skip
-    for name, value, least in (("seed", seed, 0), ("max_categories", max_categories, 0),
-                               ("cache_bytes", cache_bytes, 0), ("n_workers", n_workers, 1)):
-        if value < least:
-            raise ValueError(f"{name} must be >= {least}, not {value}")
+    check_ints({"tile_size": tile_size, "n_chunks": n_chunks, "zstd_level": zstd_level,
+                "seed": seed, "max_categories": max_categories,
+                "obs_tiles_per_file": obs_tiles_per_file, "n_workers": n_workers,
+                "cache_bytes": cache_bytes},
+               optional=("tile_size", "n_chunks"),
+               at_least={"seed": 0, "max_categories": 0, "cache_bytes": 0, "n_workers": 1})
+    check_flags({"obs": obs, "var": var, "use_raw": use_raw, "shuffle": shuffle,
+                 "gene_major": gene_major, "overwrite": overwrite, "progress": progress,
+                 "elements": elements})  # fmt: skip
     chosen_tile_size = tile_size is not None
     tile_size = DEFAULT_TILE_SIZE if tile_size is None else tile_size
     if tile_size < 1 or (n_chunks is not None and n_chunks < 1) or obs_tiles_per_file < 1:
@@ -586,20 +582,6 @@ def _written_dtype(parts: list[_Part]) -> str | None:
         return None
     dtype = np.result_type(*dtypes)
     return dtype.name if dtype.kind in "iuf" else None
-
-
-def _check_types(*, ints: dict, flags: dict) -> None:
-    """Refuse an argument of the wrong kind by name: a float or bool where an int is meant
-    (``tile_size=True`` would be 1), a string where True or False is (``use_raw="no"`` would
-    be True). None passes for the ints that default to it."""
-    for name, value in ints.items():
-        if value is None and name in ("tile_size", "n_chunks"):
-            continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-    for name, value in flags.items():
-        if not isinstance(value, bool | np.bool_):
-            raise TypeError(f"{name} must be True or False, not {value!r}")
 
 
 def _check_options(*, zstd_level, layer, use_raw, spatial_key, shapes, grid_tile_size, origin,
