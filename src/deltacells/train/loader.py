@@ -118,7 +118,7 @@ class Loader:
     seed
         Seed of the epoch plans; epoch ``n`` uses ``(seed, n)`` (the exact generators are in
         :class:`~deltacells.train.plan.EpochPlan`), so every rank and worker derives the
-        same plan.
+        same plan. A non-negative int.
     buffer_tiles
         Tiles whose cells are mixed together in ``"tiles"`` mode (default 2: 8,192 cells with
         the default tile size, as many as annbatch's default preload). About one buffer of
@@ -141,7 +141,7 @@ class Loader:
         come out in the order given (masks: ``var`` order).
     normalize
         Target sum of per-cell library-size normalisation (counts over all genes, as
-        ``scanpy.pp.normalize_total(target_sum=...)``), or None.
+        ``scanpy.pp.normalize_total(target_sum=...)``): a positive number, or None.
     log1p
         Apply ``log1p`` after normalising (``scanpy.pp.log1p``).
     output
