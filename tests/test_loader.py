@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -289,6 +290,18 @@ def test_torch_dataloader_workers_cover_every_cell_once(pair, context):
     single = np.concatenate(cells_of(dc.Loader(url, batch_size=64, seed=6)))
     np.testing.assert_array_equal(np.sort(single), np.sort(cells))
     assert all(b["cell_type"].dtype == torch.int32 for b in batches)
+
+
+def test_torch_dataset_names_a_mistaken_option_when_made(pair):
+    # Its loaders are made in the worker processes; the mistake is named here, not there.
+    pytest.importorskip("torch")
+    url, _ = pair
+    with pytest.raises(ValueError, match=re.escape("batch_size must be >= 1, not 0")):
+        dc.TorchIterableDataset(url, batch_size=0)
+    with pytest.raises(TypeError, match="normalize must be a number"):
+        dc.TorchIterableDataset(url, normalize="1e4")
+    with pytest.raises(TypeError, match="Loader got an unexpected keyword argument 'batchsize'"):
+        dc.TorchIterableDataset(url, batchsize=64)
 
 
 def test_torch_dataloader_resumes_mid_epoch(pair):

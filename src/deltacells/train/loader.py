@@ -25,6 +25,7 @@ it. ``"cells"`` gathers only the chunks of the compressed tiles a batch's cells 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 import numbers
 import os
@@ -212,37 +213,12 @@ class Loader:
         storage_options: dict | None = None,
         cache_dir: str | os.PathLike | None = None,
     ) -> None:
-        if isinstance(shuffle, bool):
-            shuffle = "tiles" if shuffle else "none"
-        if shuffle not in SHUFFLE_MODES:
-            raise ValueError(f"shuffle must be one of {SHUFFLE_MODES}, not {shuffle!r}")
-        if output not in OUTPUTS:
-            raise ValueError(f"output must be one of {OUTPUTS}, not {output!r}")
-        if output.startswith("torch") and importlib.util.find_spec("torch") is None:
-            raise ImportError(f"output={output!r} needs torch: pip install 'deltacells[torch]'")
-        check_ints({"batch_size": batch_size, "buffer_tiles": buffer_tiles, "prefetch": prefetch,
-                    "tile_cache_bytes": tile_cache_bytes, "seed": seed, "rank": rank,
-                    "world_size": world_size, "prefetch_tiles": prefetch_tiles},
-                   optional=("rank", "world_size", "prefetch_tiles"),  # None: the environment
-                   at_least={"batch_size": 1, "buffer_tiles": 1, "prefetch": 1,
-                             "tile_cache_bytes": 0, "seed": 0, "prefetch_tiles": 0})  # fmt: skip
-        if normalize is not None and (
-            isinstance(normalize, bool) or not isinstance(normalize, numbers.Real)
-        ):
-            raise TypeError(f"normalize must be a number (the target sum, e.g. 1e4) or None, not "
-                            f"{type(normalize).__name__}")  # fmt: skip
-        if normalize is not None and not (math.isfinite(normalize) and normalize > 0):
-            raise ValueError(f"normalize must be a positive target sum (e.g. 1e4) or None, not "
-                             f"{normalize}")  # fmt: skip
-        effective_n_threads(n_threads)  # a bad count is named here, not in the first batch
-        if column_order not in ("source", "stored"):
-            raise ValueError(f"column_order must be 'source' or 'stored', not {column_order!r}")
-        if not sorted_indices and output != "scipy":
-            raise ValueError(
-                f"sorted_indices=False is for output='scipy' (whose has_sorted_indices records "
-                f"it), not output={output!r}: dense outputs never sort, and torch's sparse "
-                "tensors are built canonical"
-            )
+        shuffle, dtype = _checked_arguments(
+            shuffle=shuffle, output=output, batch_size=batch_size, buffer_tiles=buffer_tiles,
+            prefetch=prefetch, tile_cache_bytes=tile_cache_bytes, seed=seed, rank=rank,
+            world_size=world_size, prefetch_tiles=prefetch_tiles, normalize=normalize,
+            log1p=log1p, values_dtype=values_dtype, n_threads=n_threads,
+            column_order=column_order, sorted_indices=sorted_indices)  # fmt: skip
         self.dataset = (
             source
             if isinstance(source, Dataset)
@@ -258,9 +234,7 @@ class Loader:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world_size {self.world_size}")
         self.normalize, self.log1p, self.output = normalize, log1p, output
-        self.dtype = _value_dtype(values_dtype)
-        if (normalize is not None or log1p) and self.dtype.kind != "f":
-            raise ValueError("normalize / log1p need a float values_dtype")
+        self.dtype = dtype
         self.n_threads = n_threads
         self.tile_cache_bytes = int(tile_cache_bytes)
         # Parsed (checked) compressed tiles kept across epochs in the tile modes; see
@@ -466,6 +440,62 @@ class Loader:
                     results.get_nowait()
                 except queue.Empty:
                     thread.join(0.05)
+
+
+def _checked_arguments(*, shuffle, output, batch_size, buffer_tiles, prefetch, tile_cache_bytes,
+                       seed, rank, world_size, prefetch_tiles, normalize, log1p, values_dtype,
+                       n_threads, column_order, sorted_indices, **others: Any
+                       ) -> tuple[str, np.dtype]:  # fmt: skip
+    """The :class:`Loader` arguments that need no dataset, checked (each mistake named, before
+    anything is opened): the shuffle mode (a bool made a mode) and the values dtype. The
+    ``others`` (source, genes, obs, ...) need the dataset and are checked with it."""
+    if isinstance(shuffle, bool):
+        shuffle = "tiles" if shuffle else "none"
+    if shuffle not in SHUFFLE_MODES:
+        raise ValueError(f"shuffle must be one of {SHUFFLE_MODES}, not {shuffle!r}")
+    if output not in OUTPUTS:
+        raise ValueError(f"output must be one of {OUTPUTS}, not {output!r}")
+    if output.startswith("torch") and importlib.util.find_spec("torch") is None:
+        raise ImportError(f"output={output!r} needs torch: pip install 'deltacells[torch]'")
+    check_ints({"batch_size": batch_size, "buffer_tiles": buffer_tiles, "prefetch": prefetch,
+                "tile_cache_bytes": tile_cache_bytes, "seed": seed, "rank": rank,
+                "world_size": world_size, "prefetch_tiles": prefetch_tiles},
+               optional=("rank", "world_size", "prefetch_tiles"),  # None: the environment
+               at_least={"batch_size": 1, "buffer_tiles": 1, "prefetch": 1,
+                         "tile_cache_bytes": 0, "seed": 0, "prefetch_tiles": 0})  # fmt: skip
+    if normalize is not None and (
+        isinstance(normalize, bool) or not isinstance(normalize, numbers.Real)
+    ):
+        raise TypeError(f"normalize must be a number (the target sum, e.g. 1e4) or None, not "
+                        f"{type(normalize).__name__}")  # fmt: skip
+    if normalize is not None and not (math.isfinite(normalize) and normalize > 0):
+        raise ValueError(f"normalize must be a positive target sum (e.g. 1e4) or None, not "
+                         f"{normalize}")  # fmt: skip
+    effective_n_threads(n_threads)  # a bad count is named here, not in the first batch
+    if column_order not in ("source", "stored"):
+        raise ValueError(f"column_order must be 'source' or 'stored', not {column_order!r}")
+    if not sorted_indices and output != "scipy":
+        raise ValueError(
+            f"sorted_indices=False is for output='scipy' (whose has_sorted_indices records "
+            f"it), not output={output!r}: dense outputs never sort, and torch's sparse "
+            "tensors are built canonical"
+        )
+    dtype = _value_dtype(values_dtype)
+    if (normalize is not None or log1p) and dtype.kind != "f":
+        raise ValueError("normalize / log1p need a float values_dtype")
+    return shuffle, dtype
+
+
+def check_loader_options(**options: Any) -> None:
+    """Check :class:`Loader` keyword options without opening a dataset (for adapters that make
+    their loaders later, in worker processes): an unknown name is a ``TypeError``, a bad
+    value the error :class:`Loader` gives."""
+    try:
+        bound = inspect.signature(Loader).bind("", **options)
+    except TypeError as err:  # inspect's words ("got an unexpected keyword argument 'x'")
+        raise TypeError(f"Loader {err}") from None
+    bound.apply_defaults()
+    _checked_arguments(**bound.arguments)
 
 
 #: Tiles a loader keeps in flight on remote stores by default (see ``prefetch_tiles``).

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from deltacells.train.loader import Loader
+from deltacells.train.loader import Loader, check_loader_options
 
 __all__ = ["TorchIterableDataset"]
 
@@ -45,6 +45,8 @@ class TorchIterableDataset(torch.utils.data.IterableDataset):
 
     def __init__(self, url: str | os.PathLike, **loader_options: Any) -> None:
         super().__init__()
+        # The loaders are made in the workers; a mistaken option is named here, not there.
+        check_loader_options(**loader_options)
         self.url = str(url)
         self.loader_options = loader_options
         self.epoch = 0
