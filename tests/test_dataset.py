@@ -100,6 +100,17 @@ def test_tile_counts_must_match_manifest(dataset_dir):
         dc.open_dataset(dataset_dir).tile(0)
 
 
+def test_tile_index_is_checked(dataset_dir):
+    ds = dc.open_dataset(dataset_dir)
+    n = ds.manifest.n_tiles
+    for bad in (-1, n):
+        with pytest.raises(IndexError, match=f"tile {bad} out of range \\({n} tiles\\)"):
+            ds.tile(bad)
+    with pytest.raises(TypeError, match="index must be an int, not str"):
+        ds.tile("0")
+    assert ds.tile(np.int64(0)).indptr[0] == 0  # numpy ints are ints
+
+
 def test_missing_tile_and_wrong_shard_hash(dataset_dir):
     (dataset_dir / "tiles" / "tile_000002.dct").unlink()
     dataset = dc.open_dataset(dataset_dir)

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
+from deltacells.codec.arguments import check_ints
 from deltacells.codec.format import HEADER_SIZE, MAGIC, FormatError
 from deltacells.codec.tile import (
     Tile,
@@ -55,6 +56,7 @@ class MatrixPart(DatasetPart):
 
         ``blob`` may hold the tile's bytes if they were fetched already (e.g. prefetched).
         """
+        check_ints({"index": index})
         if not 0 <= index < self.manifest.n_tiles:
             raise IndexError(f"tile {index} out of range ({self.manifest.n_tiles} tiles)")
         name = self.store.describe(tile_name(index))
