@@ -779,3 +779,23 @@ def test_names_the_writer_refuses_say_what_to_do(tmp_path):
                                          r"rename or drop that column first"):
         dc.write_deltacells(reserved, tmp_path / "b", progress=False)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_home_paths_are_expanded(tmp_path, monkeypatch):
+    # "~/..." as pandas and fsspec take it: never a folder named "~" in the working directory.
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    adata = small_adata()
+    adata.write_h5ad(home / "in.h5ad")
+    dc.write_deltacells("~/in.h5ad", "~/out.dc", progress=False)
+    dc.write_deltacells(["~/in.h5ad"], Path("~/list.dc"), progress=False)
+    assert (home / "out.dc" / "manifest.json").exists() and (home / "list.dc").exists()
+    assert not (cwd / "~").exists()
+    back = dc.read_deltacells("~/out.dc", cache_dir="~/cache")
+    assert (home / "cache").is_dir()
+    assert_same_matrix(back.X.to_memory(), adata.X)
+    assert sum(batch.X.shape[0] for batch in dc.Loader("~/list.dc")) == adata.n_obs
+    assert dc.open_dataset(Path("~/out.dc")).manifest.n_cells == adata.n_obs

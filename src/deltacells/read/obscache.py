@@ -43,9 +43,9 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     """The cache directory: ``cache_dir``, ``$DELTACELLS_CACHE``, ``$XDG_CACHE_HOME/deltacells``
     or ``~/.cache/deltacells``, in that order."""
     if cache_dir is not None:
-        return Path(cache_dir)
+        return Path(cache_dir).expanduser()
     if os.environ.get("DELTACELLS_CACHE"):
-        return Path(os.environ["DELTACELLS_CACHE"])
+        return Path(os.environ["DELTACELLS_CACHE"]).expanduser()
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]) / "deltacells"
     return Path.home() / ".cache" / "deltacells"

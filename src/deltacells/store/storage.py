@@ -336,7 +336,7 @@ class Store:
         self.is_local = not _is_url(root)
         self._is_http = root.split("://", 1)[0] in ("http", "https")
         if self.is_local:
-            self._root = Path(root)
+            self._root = Path(root).expanduser()  # "~/data.dc", as pandas and fsspec take it
             self._real_root: str | None = None
             self._fs: Any = None
         else:

@@ -310,6 +310,10 @@ def write_deltacells(
     the directory ``TMPDIR`` names, about the size of the encoded obs), and keeps the cell
     order (8 bytes per cell).
     """
+    # "~/data.h5ad" as pandas and fsspec take it (the target is not a folder named "~").
+    path = _expand_user(path)
+    source = [_expand_user(s) for s in source] if isinstance(source, list | tuple) \
+        else _expand_user(source)  # fmt: skip
     obs_exclude = [obs_exclude] if isinstance(obs_exclude, str) else list(obs_exclude)
     check_ints({"tile_size": tile_size, "n_chunks": n_chunks, "zstd_level": zstd_level,
                 "seed": seed, "max_categories": max_categories,
@@ -631,6 +635,13 @@ def _check_target_path(path: Any) -> None:
         parent = os.path.dirname(parent)
     if parent and not os.path.isdir(parent):
         raise FileExistsError(f"{text}: {parent} is a file, not a folder: pick another path")
+
+
+def _expand_user(path: Any) -> Any:
+    """A local path with ``~`` expanded; URLs, stores and AnnData objects as given."""
+    if isinstance(path, str | os.PathLike) and not _is_url_path(os.fspath(path)):
+        return os.path.expanduser(os.fspath(path))
+    return path
 
 
 def _is_url_path(text: str) -> bool:
