@@ -189,7 +189,7 @@ def to_spatialdata(
     from deltacells.read.assemble import read_deltacells
     from deltacells.read.dataset import open_dataset
 
-    out = Path(out)
+    out = Path(out).expanduser()
     if out.exists():
         if not overwrite:
             raise FileExistsError(f"{out} exists; pass overwrite=True to replace it")

@@ -154,6 +154,7 @@ def _from_shapes(shapes: Any, obs_names: pd.Index):
     except ImportError as err:
         raise ImportError("shapes need geopandas: pip install 'deltacells[spatial]'") from err
     if isinstance(shapes, str | os.PathLike):
+        shapes = os.path.expanduser(os.fspath(shapes))
         if not os.path.exists(shapes):
             raise FileNotFoundError(f"shapes file {os.fspath(shapes)}: not found (a GeoParquet "
                                     "file with one shape per obs name)")  # fmt: skip
