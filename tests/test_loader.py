@@ -304,6 +304,21 @@ def test_torch_dataset_names_a_mistaken_option_when_made(pair):
         dc.TorchIterableDataset(url, batchsize=64)
 
 
+
+def test_checking_options_does_not_ask_for_threads(pair, monkeypatch):
+    # The check in the parent must not count as starting OpenMP: workers it forks later
+    # would then be held to one thread (and warned).
+    pytest.importorskip("torch")
+    from deltacells.codec import threads
+
+    url, _ = pair
+    monkeypatch.setattr(threads, "_threads_started", False)
+    dc.TorchIterableDataset(url, batch_size=64, n_threads=2)
+    assert threads._threads_started is False
+    with pytest.raises(ValueError, match="n_threads=0 is not allowed"):
+        dc.TorchIterableDataset(url, n_threads=0)
+
+
 def test_torch_dataloader_resumes_mid_epoch(pair):
     torch = pytest.importorskip("torch")
     url, _ = pair

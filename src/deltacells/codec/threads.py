@@ -16,8 +16,9 @@ import math
 import operator
 import os
 from pathlib import Path
+from typing import Any
 
-__all__ = ["effective_n_threads", "in_forked_child", "usable_cpu_count"]
+__all__ = ["check_n_threads", "effective_n_threads", "in_forked_child", "usable_cpu_count"]
 
 _forked = False
 #: Whether this process (or the one it was forked from) has asked for more than one thread,
@@ -93,6 +94,25 @@ def _omp_num_threads() -> int | None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def check_n_threads(n_threads: Any) -> int | None:
+    """``n_threads`` as an int or None, refused by name if it is neither or is 0.
+
+    Only a check: unlike :func:`effective_n_threads` it does not count as asking for threads,
+    so a process that checks a loader's options (to give workers it forks later) leaves them
+    free to decode on several threads.
+    """
+    if n_threads is not None:
+        try:
+            n_threads = operator.index(n_threads)
+        except TypeError:
+            raise TypeError(
+                f"n_threads must be an int or None, not {type(n_threads).__name__}"
+            ) from None
+    if n_threads == 0:
+        raise ValueError("n_threads=0 is not allowed; use None for the default or a count >= 1")
+    return n_threads
+
+
 def effective_n_threads(n_threads: int | None = None) -> int:
     """Number of threads to use for ``n_threads``.
 
@@ -109,15 +129,7 @@ def effective_n_threads(n_threads: int | None = None) -> int:
     int
         A count of at least 1.
     """
-    if n_threads is not None:
-        try:
-            n_threads = operator.index(n_threads)
-        except TypeError:
-            raise TypeError(
-                f"n_threads must be an int or None, not {type(n_threads).__name__}"
-            ) from None
-    if n_threads == 0:
-        raise ValueError("n_threads=0 is not allowed; use None for the default or a count >= 1")
+    n_threads = check_n_threads(n_threads)
     if n_threads is None:
         if _forked:
             # GNU OpenMP cannot start threads in a child forked from a process that already ran

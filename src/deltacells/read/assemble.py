@@ -16,7 +16,7 @@ from numpy.typing import DTypeLike
 from deltacells.codec._rows import decimal_name_objects, decimal_names
 from deltacells.codec.arguments import check_flags, check_ints
 from deltacells.codec.format import FormatError, LimitError, get_limits
-from deltacells.codec.threads import effective_n_threads
+from deltacells.codec.threads import check_n_threads
 from deltacells.read.dataset import (
     Dataset,
     open_dataset,
@@ -131,7 +131,7 @@ def read_deltacells(
         X is a :class:`DeltacellsCSRDataset` (or a dask array); obs and var are in memory.
     """
     _register_with_scanpy()
-    effective_n_threads(n_threads)  # a bad count is named before anything is read
+    check_n_threads(n_threads)  # a bad count is named before anything is read
     obs = [obs] if isinstance(obs, str) else obs  # one column, named alone
     _check_arguments(obs=obs, tile_cache_bytes=tile_cache_bytes, dask=dask,
                      ranged_reads=ranged_reads, bbox_mode=bbox_mode, cache_dir=cache_dir)

@@ -44,7 +44,7 @@ from deltacells.codec import _rows
 from deltacells.codec._decode import ColumnMap
 from deltacells.codec.arguments import check_ints
 from deltacells.codec.scatter import gather_tiles_into_many
-from deltacells.codec.threads import effective_n_threads
+from deltacells.codec.threads import check_n_threads, effective_n_threads
 from deltacells.codec.tile import Tile, _value_dtype, empty_output, gathered_indptr
 from deltacells.read.dataset import Dataset, gather_cells, group_by_tile, open_dataset
 from deltacells.read.obscache import ObsCache
@@ -471,7 +471,7 @@ def _checked_arguments(*, shuffle, output, batch_size, buffer_tiles, prefetch, t
     if normalize is not None and not (math.isfinite(normalize) and normalize > 0):
         raise ValueError(f"normalize must be a positive target sum (e.g. 1e4) or None, not "
                          f"{normalize}")  # fmt: skip
-    effective_n_threads(n_threads)  # a bad count is named here, not in the first batch
+    check_n_threads(n_threads)  # named here, not in the first batch (and not a request)
     if column_order not in ("source", "stored"):
         raise ValueError(f"column_order must be 'source' or 'stored', not {column_order!r}")
     if not sorted_indices and output != "scipy":
