@@ -376,6 +376,7 @@ def test_unsupported_obs_columns(tmp_path):
     dc.write_deltacells(adata, tmp_path / "one", obs_exclude="barcode", progress=False)
     names = dc.open_dataset(tmp_path / "one").obs_schema().names
     assert "barcode" not in names and "batch" in names
+    assert adata.obs.attrs == {} and "barcode" in adata.obs  # the caller's obs untouched
     with pytest.raises(ValueError, match=r"obs_exclude names \['Barcode'\] but no input's obs "
                                          r"has that column; check the spelling"):
         dc.write_deltacells(adata, tmp_path / "typo", obs_exclude=["batch", "Barcode"],

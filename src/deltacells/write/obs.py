@@ -63,8 +63,9 @@ class ObsInputs:
     def frame(self, p: int) -> pd.DataFrame:
         obs = self.readers[p]()
         frame = obs.drop(columns=[c for c in self.exclude if c in obs.columns])
-        frame.attrs.pop(EXCLUDED_FOUND, None)
-        frame.attrs[EXCLUDED_FOUND] = [c for c in self.exclude if c in obs.columns]
+        # A new dict: older pandas share attrs with the frame it came from (the user's obs).
+        frame.attrs = {**frame.attrs,
+                       EXCLUDED_FOUND: [c for c in self.exclude if c in obs.columns]}  # fmt: skip
         if self.file_names is not None:
             code = self._categories.index(self.file_names[p])
             frame = frame.assign(**{SOURCE_FILE_COLUMN: pd.Categorical.from_codes(
@@ -234,7 +235,7 @@ def plan_obs(inputs: ObsInputs, max_categories: int,
                          f"{'that column' if len(unknown) == 1 else 'these columns'}; check "
                          "the spelling (obs columns are case-sensitive)")  # fmt: skip
     combined = _concat(representatives)
-    combined.attrs.pop(EXCLUDED_FOUND, None)
+    combined.attrs = {k: v for k, v in combined.attrs.items() if k != EXCLUDED_FOUND}
     _check_names(combined.columns)
     record = pandas_record(combined)
     columns = [ObsColumn(OBS_INDEX_COLUMN, "string", "string")]
