@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +93,36 @@ def test_cache_root_order(monkeypatch, tmp_path):
     assert cache_root() == tmp_path / "x" / "deltacells"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert cache_root() == Path.home() / ".cache" / "deltacells"
+
+
+def test_a_cache_folder_that_cannot_be_written(written, tmp_path, monkeypatch):
+    path, adata = written
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    # Chosen by the user: their mistake, named with the way out.
+    with pytest.raises(OSError, match=r"cache_dir .*file/cache: cannot hold the obs cache .*pass a "
+                                      r"writable folder as cache_dir="):
+        dc.read_deltacells(path, cache_dir=not_a_folder / "cache")
+    monkeypatch.setenv("DELTACELLS_CACHE", str(not_a_folder / "cache"))
+    with pytest.raises(OSError, match=r"\$DELTACELLS_CACHE .*: cannot hold the obs cache"):
+        dc.read_deltacells(path)
+    # The default folder (under the home folder) read-only: a temporary one serves, with one
+    # warning per process, and the obs comes back right.
+    from deltacells.read import obscache
+
+    monkeypatch.delenv("DELTACELLS_CACHE")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(not_a_folder))
+    monkeypatch.setattr(obscache.tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setattr(obscache, "_fallback_warned", False)
+    (tmp_path / "tmp").mkdir()
+    with pytest.warns(UserWarning, match=r"default folder .* cannot be written .* using "):
+        backed = dc.read_deltacells(path, obs=["batch"])
+    assert list(backed.obs["batch"]) == list(adata.obs["batch"])
+    assert list((tmp_path / "tmp").glob("deltacells-cache-*/*/obs/batch.arrow"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        dc.read_deltacells(path, obs=["batch"])
 
 
 def test_read_deltacells_uses_the_cache(written, tmp_path):

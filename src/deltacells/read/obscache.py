@@ -16,7 +16,9 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
+import threading
 import urllib.parse
+import warnings
 from collections.abc import Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -51,6 +53,49 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path.home() / ".cache" / "deltacells"
 
 
+_fallback_warned = False
+
+
+def _writable(cache_dir: str | os.PathLike | None, fingerprint: str) -> Path:
+    """The obs cache folder of a dataset under :func:`cache_root`, made and checked writable.
+
+    A folder the user chose (``cache_dir`` or ``$DELTACELLS_CACHE``) that cannot be written is
+    their mistake, named with the way out. The default one (under the home folder) may be
+    read-only where users cannot change it (containers, compute nodes): then a folder in
+    the temporary directory serves, with a warning once per process, as matplotlib does for
+    its own cache."""
+    chosen = cache_dir is not None or bool(os.environ.get("DELTACELLS_CACHE"))
+    root = cache_root(cache_dir)
+    try:
+        return _made(root / fingerprint / "obs")
+    except OSError as err:
+        if chosen:
+            where = "cache_dir" if cache_dir is not None else "$DELTACELLS_CACHE"
+            raise OSError(err.errno, f"{where} {root}: cannot hold the obs cache "
+                                     f"({err.strerror}); pass a writable folder as cache_dir= "
+                                     "or in $DELTACELLS_CACHE") from err  # fmt: skip
+        fallback = Path(tempfile.gettempdir()) / f"deltacells-cache-{os.getuid()}"
+        directory = _made(fallback / fingerprint / "obs")
+        global _fallback_warned
+        if not _fallback_warned:
+            _fallback_warned = True
+            warnings.warn(f"the obs cache's default folder {root} cannot be written "
+                          f"({err.strerror}); using {fallback} for this process. Set "
+                          "$DELTACELLS_CACHE or pass cache_dir= to choose a lasting one",
+                          stacklevel=5)  # fmt: skip
+        return directory
+
+
+def _made(directory: Path) -> Path:
+    """``directory`` created if needed and shown writable (a probe file made and removed;
+    permission bits alone do not say it, e.g. for root or on a read-only mount)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = directory / f".probe-{os.getpid()}-{threading.get_ident()}"
+    probe.touch()
+    probe.unlink()
+    return directory
+
+
 class ObsCache:
     """Per-column local copies of a dataset's obs, keyed by its obs fingerprint.
 
@@ -72,7 +117,7 @@ class ObsCache:
             raise ValueError(f"{dataset.store.describe()} has no obs")
         self.obs_part = dataset
         self.schema: ObsSchema = dataset.obs_schema()
-        self.directory = cache_root(cache_dir) / manifest.obs_fingerprint / "obs"
+        self.directory = _writable(cache_dir, manifest.obs_fingerprint)
         # Files whose CRC was checked in this process: column -> (inode, mtime, size).
         self._checked: dict[str, tuple[int, int, int]] = {}
 
