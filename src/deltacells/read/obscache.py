@@ -43,7 +43,13 @@ __all__ = ["ObsCache", "cache_root"]
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     """The cache directory: ``cache_dir``, ``$DELTACELLS_CACHE``, ``$XDG_CACHE_HOME/deltacells``
-    or ``~/.cache/deltacells``, in that order."""
+    or ``~/.cache/deltacells``, in that order (``~`` expanded).
+
+    It holds each dataset's obs columns as local Arrow files (per obs fingerprint, CRC-checked
+    when used). Where the default folder cannot be written (a read-only home), a folder in the
+    temporary directory serves for the process, with a warning; a ``cache_dir`` or
+    ``$DELTACELLS_CACHE`` that cannot be written is refused by name.
+    """
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
     if os.environ.get("DELTACELLS_CACHE"):
