@@ -89,8 +89,10 @@ def test_target_is_checked_before_the_counts_are_read(tmp_path, monkeypatch):
         raise AssertionError("the counts pass ran before the target was refused")
 
     monkeypatch.setattr(writer_module, "_check_and_total", never)
-    with pytest.raises(FileExistsError, match="overwrite=True"):
+    with pytest.raises(FileExistsError, match="is not empty and not a deltacells dataset"):
         dc.write_deltacells(small_adata(), tmp_path / "d", progress=False)
+    with pytest.raises(FileExistsError, match="even with overwrite=True"):
+        dc.write_deltacells(small_adata(), tmp_path / "d", overwrite=True, progress=False)
 
 
 def test_failed_overwrite_leaves_the_old_dataset(old_dataset, monkeypatch):

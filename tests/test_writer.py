@@ -421,9 +421,16 @@ def test_overwrite_rules(tmp_path):
     assert dc.open_dataset(tmp_path / "d").manifest.n_cells == 100
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("keep me")
+    # Not a dataset: overwrite would not help, so it is not offered.
+    with pytest.raises(FileExistsError, match=r"is not empty and not a deltacells dataset \(it "
+                                              r"holds 'notes.txt'\); write into a new or empty"):
+        dc.write_deltacells(adata, tmp_path / "other", progress=False)
     with pytest.raises(FileExistsError, match="not a deltacells dataset"):
         dc.write_deltacells(adata, tmp_path / "other", overwrite=True, progress=False)
     assert (tmp_path / "other" / "notes.txt").exists()
+    # An empty path (an unset variable, say) is not the working directory.
+    with pytest.raises(ValueError, match="path '' is empty"):
+        dc.write_deltacells(adata, "", progress=False)
 
 
 def fail_third_tile(monkeypatch) -> None:

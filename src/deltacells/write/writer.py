@@ -112,11 +112,6 @@ def _check_target(store: Store, overwrite: bool) -> bool:
     entries = store.entries()
     if not entries:
         return False
-    if not overwrite:
-        raise FileExistsError(
-            f"{store.describe()} is not empty; pass overwrite=True (deltacells convert "
-            "--overwrite) to replace the deltacells dataset there"
-        )
     foreign = [
         name
         for name, kind in entries
@@ -125,9 +120,19 @@ def _check_target(store: Store, overwrite: bool) -> bool:
     ]  # fmt: skip
     if foreign:
         shown = ", ".join(repr(n) for n in foreign[:3]) + (" ..." if len(foreign) > 3 else "")
+        if not overwrite:  # overwrite would not help: say so, not "pass overwrite=True"
+            raise FileExistsError(
+                f"{store.describe()} is not empty and not a deltacells dataset (it holds "
+                f"{shown}); write into a new or empty folder"
+            )
         raise FileExistsError(
             f"{store.describe()} holds entries that are not a deltacells dataset's ({shown}); "
             "refusing to replace it even with overwrite=True"
+        )
+    if not overwrite:
+        raise FileExistsError(
+            f"{store.describe()} is not empty; pass overwrite=True (deltacells convert "
+            "--overwrite) to replace the deltacells dataset there"
         )
     names = {name for name, kind in entries if kind == "file"}
     try:
@@ -619,6 +624,9 @@ _ANNDATA_SUFFIXES = (".h5ad", ".h5", ".loom", ".zarr")
 def _check_target_path(path: Any) -> None:
     """A target that cannot be a dataset folder, refused before anything is read."""
     text = os.fspath(path) if not isinstance(path, Store) else path.describe()
+    if not text.strip():
+        raise ValueError(f"path {text!r} is empty: give the dataset folder's path (e.g. "
+                         "'data.dc')")  # fmt: skip
     name = text.rstrip("/").rsplit("/", 1)[-1]
     if name.lower().endswith(_ANNDATA_SUFFIXES):
         raise ValueError(f"{text}: a deltacells dataset is a folder, and this name is an "
