@@ -111,6 +111,16 @@ def test_tile_index_is_checked(dataset_dir):
     assert ds.tile(np.int64(0)).indptr[0] == 0  # numpy ints are ints
 
 
+def test_a_location_that_is_not_a_path_is_named():
+    for where, error, match in ((None, TypeError, "not NoneType"), (123, TypeError, "not int"),
+                                ("", ValueError, "path '' is empty"),
+                                (b"/tmp", TypeError, "not bytes")):  # fmt: skip
+        with pytest.raises(error, match=match):
+            dc.read_deltacells(where)
+    with pytest.raises(ValueError, match="path '  ' is empty"):
+        dc.Loader("  ")
+
+
 def test_missing_tile_and_wrong_shard_hash(dataset_dir):
     (dataset_dir / "tiles" / "tile_000002.dct").unlink()
     dataset = dc.open_dataset(dataset_dir)

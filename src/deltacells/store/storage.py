@@ -301,7 +301,12 @@ class Store:
         deadline: float | None = None,
         follow_external_links: bool = False,
     ) -> None:
+        if not isinstance(root, str | os.PathLike):
+            raise TypeError(f"a dataset's location is a path or URL (str or os.PathLike), not "
+                            f"{type(root).__name__}")  # fmt: skip
         root = os.fspath(root)
+        if not root.strip():
+            raise ValueError(f"path {root!r} is empty: give the dataset folder's path or URL")
         self.url = root
         if storage_options is not None and not isinstance(storage_options, Mapping):
             raise TypeError(f"storage_options must be a dict of fsspec options (e.g. "
