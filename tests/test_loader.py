@@ -359,7 +359,9 @@ def test_errors(pair):
         dc.Loader(url, shuffle="sometimes")
     with pytest.raises(ValueError, match="rank"):
         dc.Loader(url, rank=2, world_size=2)
-    with pytest.raises(ValueError, match="category codes and numbers"):
+    with pytest.raises(ValueError, match=r"category codes and numbers only; look its values up "
+                                         r"by each batch's cells \(read_deltacells\(\.\.\.\)"
+                                         r"\.obs_names\[batch\.cells\]\)"):
         dc.Loader(url, obs=["_index"])
     with pytest.raises(ValueError, match="float"):
         dc.Loader(url, values_dtype=np.int32, normalize=1e4)

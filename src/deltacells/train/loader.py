@@ -318,8 +318,14 @@ class Loader:
         for column in columns:
             spec = cache.schema[column]
             if spec.kind not in ("category", "numeric", "bool"):
-                raise ValueError(f"obs column {column!r} is {spec.kind}: batches carry category "
-                                 "codes and numbers only")  # fmt: skip
+                lookup = ("obs_names" if column == self.dataset.obs_index_column(cache.schema)
+                          else f"obs[{column!r}].iloc")  # fmt: skip
+                raise ValueError(
+                    f"obs column {column!r} is {spec.kind}: batches carry category codes and "
+                    f"numbers only; look its values up by each batch's cells "
+                    f"(read_deltacells(...).{lookup}[batch.cells]), or store it as a "
+                    f"categorical (write_deltacells(max_categories=) above its distinct values)"
+                )
             values = cache.column(column)
             if spec.kind == "category":
                 out[column] = values.fill_null(-1).to_numpy().astype(np.int32)
