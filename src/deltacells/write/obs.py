@@ -40,10 +40,6 @@ SOURCE_FILE_COLUMN = "source_file"
 
 Encoder = Callable[[pd.Series], pa.Array]
 
-#: Key of ``DataFrame.attrs`` where :meth:`ObsInputs.frame` notes which ``obs_exclude``
-#: columns the input had (to refuse a name no input has).
-EXCLUDED_FOUND = "deltacells_excluded_found"
-
 
 class ObsInputs:
     """Each input's obs as it enters the output: excluded columns dropped and, for a list of
@@ -61,11 +57,17 @@ class ObsInputs:
         return len(self.readers)
 
     def frame(self, p: int) -> pd.DataFrame:
+        return self._entering(self.readers[p](), p)
+
+    def summary(self, p: int, max_categories: int) -> InputSummary:
+        """Input ``p``'s obs read once and summarised for planning (see :func:`summarize`),
+        with the ``exclude`` names it had."""
         obs = self.readers[p]()
+        found = tuple(c for c in self.exclude if c in obs.columns)
+        return summarize(self._entering(obs, p), max_categories, found)
+
+    def _entering(self, obs: pd.DataFrame, p: int) -> pd.DataFrame:
         frame = obs.drop(columns=[c for c in self.exclude if c in obs.columns])
-        # A new dict: older pandas share attrs with the frame it came from (the user's obs).
-        frame.attrs = {**frame.attrs,
-                       EXCLUDED_FOUND: [c for c in self.exclude if c in obs.columns]}  # fmt: skip
         if self.file_names is not None:
             code = self._categories.index(self.file_names[p])
             frame = frame.assign(**{SOURCE_FILE_COLUMN: pd.Categorical.from_codes(
@@ -188,15 +190,16 @@ class InputSummary:
     excluded_found: tuple = ()  # the obs_exclude columns this input had
 
 
-def summarize(frame: pd.DataFrame, max_categories: int) -> InputSummary:
+def summarize(frame: pd.DataFrame, max_categories: int,
+              excluded_found: tuple = ()) -> InputSummary:  # fmt: skip
     """One input's obs (as :meth:`ObsInputs.frame` gives it) summarised for planning: run
     in this process or, for files, as a task on the worker that reads the file."""
     _check_names(frame.columns)
     columns = [(column, *_column_summary(frame.iloc[:, i], max_categories))
                for i, column in enumerate(frame.columns)]  # fmt: skip
     names = np.asarray(frame.index.astype(str), dtype=object)
-    found = tuple(frame.attrs.get(EXCLUDED_FOUND, ()))
-    return InputSummary(_representative_rows(frame), columns, pd.util.hash_array(names), found)
+    return InputSummary(_representative_rows(frame), columns, pd.util.hash_array(names),
+                        excluded_found)  # fmt: skip
 
 
 def _check_names(columns: pd.Index) -> None:
@@ -218,7 +221,7 @@ def plan_obs(inputs: ObsInputs, max_categories: int,
     """Plan the output obs from each input's :class:`InputSummary`, in input order (made
     here, reading each input's obs once, unless given; see the module docstring)."""
     if summaries is None:
-        summaries = (summarize(inputs.frame(p), max_categories) for p in range(len(inputs)))
+        summaries = (inputs.summary(p, max_categories) for p in range(len(inputs)))
     representatives, hashes = [], []
     stats: dict[Any, _ColumnStats] = {}
     found: set = set()
@@ -235,7 +238,6 @@ def plan_obs(inputs: ObsInputs, max_categories: int,
                          f"{'that column' if len(unknown) == 1 else 'these columns'}; check "
                          "the spelling (obs columns are case-sensitive)")  # fmt: skip
     combined = _concat(representatives)
-    combined.attrs = {k: v for k, v in combined.attrs.items() if k != EXCLUDED_FOUND}
     _check_names(combined.columns)
     record = pandas_record(combined)
     columns = [ObsColumn(OBS_INDEX_COLUMN, "string", "string")]

@@ -24,7 +24,7 @@ from deltacells.write.inputs import (
     _open_part,
     _Part,
 )
-from deltacells.write.obs import InputSummary, ObsInputs, summarize
+from deltacells.write.obs import InputSummary, ObsInputs
 
 # ---------------------------------------------------------------------------------------------
 # Genes
@@ -252,7 +252,7 @@ def _obs_summary_task(item: Any, layer, use_raw, labels: list[str], exclude: Seq
     """One dask task: input ``p``'s obs read on the worker and summarised for planning."""
     readers: list = [None] * len(labels)
     readers[p] = _open_part(item, layer, use_raw, tables=False).read_obs
-    return summarize(ObsInputs(readers, labels, exclude, list_input).frame(p), max_categories)
+    return ObsInputs(readers, labels, exclude, list_input).summary(p, max_categories)
 
 
 def _obs_summaries_distributed(client, sources: list, layer, use_raw, inputs: ObsInputs,
