@@ -16,7 +16,6 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
-import threading
 import urllib.parse
 import warnings
 from collections.abc import Sequence
@@ -60,6 +59,8 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 _fallback_warned = False
+#: The file whose lock serialises fetches into one cache folder.
+LOCK_NAME = ".lock"
 
 
 def _writable(cache_dir: str | os.PathLike | None, fingerprint: str) -> Path:
@@ -93,12 +94,11 @@ def _writable(cache_dir: str | os.PathLike | None, fingerprint: str) -> Path:
 
 
 def _made(directory: Path) -> Path:
-    """``directory`` created if needed and shown writable (a probe file made and removed;
-    permission bits alone do not say it, e.g. for root or on a read-only mount)."""
+    """``directory`` created if needed and shown writable by making its lock file (which
+    every fetch takes anyway; permission bits alone do not say it, e.g. for root or on a
+    read-only mount)."""
     directory.mkdir(parents=True, exist_ok=True)
-    probe = directory / f".probe-{os.getpid()}-{threading.get_ident()}"
-    probe.touch()
-    probe.unlink()
+    (directory / LOCK_NAME).touch()
     return directory
 
 
@@ -134,7 +134,7 @@ class ObsCache:
     @contextmanager
     def _locked(self):
         self.directory.mkdir(parents=True, exist_ok=True)
-        with open(self.directory / ".lock", "a+") as handle:
+        with open(self.directory / LOCK_NAME, "a+") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:
                 yield
