@@ -624,9 +624,6 @@ _ANNDATA_SUFFIXES = (".h5ad", ".h5", ".loom", ".zarr")
 def _check_target_path(path: Any) -> None:
     """A target that cannot be a dataset folder, refused before anything is read."""
     text = os.fspath(path) if not isinstance(path, Store) else path.describe()
-    if not text.strip():
-        raise ValueError(f"path {text!r} is empty: give the dataset folder's path (e.g. "
-                         "'data.dc')")  # fmt: skip
     name = text.rstrip("/").rsplit("/", 1)[-1]
     if name.lower().endswith(_ANNDATA_SUFFIXES):
         raise ValueError(f"{text}: a deltacells dataset is a folder, and this name is an "
