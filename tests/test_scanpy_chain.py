@@ -50,6 +50,10 @@ WAY_FORWARD = {
     "pp.regress_out": "`adata = adata.to_memory()` once subset to the highly variable genes",
     "pp.highly_variable_genes(seurat_v3, layer='counts')": "run it before the in-place filters, "
     "while the counts are the lazy X (checked below)",
+    "tl.rank_genes_groups(method='wilcoxon')": "`method='t-test'` runs out of core; for "
+    "Wilcoxon's test, `sc.tl.rank_genes_groups(adata.to_memory(), ...)`",
+    "tl.score_genes": "`adata.X = adata.X.compute()` (X in memory) first; on a fresh read's "
+    "lazy X it runs tile by tile",
 }
 
 
@@ -73,6 +77,10 @@ def _steps(hvg_view):
         ("pp.highly_variable_genes(seurat)", lambda a: sc.pp.highly_variable_genes(
             a, n_top_genes=30)),
         ("tl.rank_genes_groups", lambda a: sc.tl.rank_genes_groups(a, "cell_type")),
+        ("tl.rank_genes_groups(method='wilcoxon')", lambda a: sc.tl.rank_genes_groups(
+            a, "cell_type", method="wilcoxon", key_added="wilcoxon")),
+        ("tl.score_genes", lambda a: sc.tl.score_genes(a, list(a.var_names[:5]),
+                                                       random_state=0)),
         ("get.obs_df (a gene)", lambda a: a.obs.__setitem__(
             "gene0", sc.get.obs_df(a, keys=[a.var_names[0]])[a.var_names[0]].to_numpy())),
         ("subset to the highly variable genes", hvg_view),
@@ -263,6 +271,30 @@ def test_a_function_that_needs_memory_names_the_way_forward(root):
         np.asarray(lazy.X)
     with pytest.raises(TypeError, match=r"into X \(out=X\)"):
         np.log1p(lazy.X, out=lazy.X)
+
+
+def test_score_genes_on_the_lazy_x_equals_memory(root):
+    """scanpy's score_genes takes ``np.nanmean`` of an X it does not know: on the lazy X that
+    is the tile-by-tile mean (stored counts are never NaN), shaped as numpy's, and the
+    scores equal the in-memory ones."""
+    lazy = dc.read_deltacells(root, elements=False)
+    memory = dc.read_deltacells(root, elements=False).to_memory()
+    dense = memory.X.toarray()
+    for axis in (None, 0, 1):
+        for func in (np.nanmean, np.nansum):
+            got, want = func(lazy.X, axis=axis), func(dense, axis=axis)
+            assert np.shape(got) == np.shape(want), (func, axis)
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+    out = np.zeros(lazy.n_obs)
+    assert np.nanmean(lazy.X, axis=1, out=out) is out
+    np.testing.assert_allclose(out, dense.mean(axis=1), rtol=1e-6)
+    genes = list(lazy.var_names[:5])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sc.tl.score_genes(lazy, genes, random_state=0)
+        sc.tl.score_genes(memory, genes, random_state=0)
+    assert isinstance(lazy.X, dc.DeltacellsCSRDataset)
+    np.testing.assert_allclose(lazy.obs["score"], memory.obs["score"], rtol=1e-5, atol=1e-7)
 
 
 def test_seurat_v3_on_the_lazy_counts_equals_memory(root):

@@ -589,6 +589,8 @@ class DeltacellsCSRDataset(CSRDataset):
             return _reduce_with(DeltacellsCSRDataset.sum, *args, **kwargs)
         if func is np.mean:
             return _reduce_with(DeltacellsCSRDataset.mean, *args, **kwargs)
+        if func is np.nansum or func is np.nanmean:
+            return _nan_reduce(func, *args, **kwargs)
         # Anything else (np.count_nonzero, ...) runs on the dask array over tiles.
         self._as_dask_for(f"numpy.{func.__name__} on X")
         return func(*_swap_lazy(args), **_swap_lazy(kwargs))
@@ -734,6 +736,19 @@ def _reduce_with(
     if kwargs:
         raise TypeError(_LAZY_ADVICE.format(what=f"a reduction with {sorted(kwargs)} on X"))
     return method(a, axis=axis, dtype=dtype, out=out)
+
+
+def _nan_reduce(func: Callable, a: Any, axis: int | None = None, dtype: DTypeLike = None,
+                out: Any = None, **kwargs: Any) -> Any:
+    """``np.nansum`` / ``np.nanmean`` on a lazy X (scanpy's ``score_genes`` takes
+    ``np.nanmean`` of any X it does not know): stored counts are never NaN, so these are the
+    tile-by-tile sum and mean, shaped as numpy gives them for an array (a scalar, or one
+    value per gene or per cell), not as scipy's ``np.matrix``."""
+    method = DeltacellsCSRDataset.sum if func is np.nansum else DeltacellsCSRDataset.mean
+    result = _reduce_with(method, a, axis=axis, dtype=dtype, **kwargs)
+    if axis is not None:
+        result = np.asarray(result).ravel()
+    return _into(result, out)
 
 
 def _into(result: Any, out: Any) -> Any:
