@@ -297,6 +297,24 @@ def test_score_genes_on_the_lazy_x_equals_memory(root):
     np.testing.assert_allclose(lazy.obs["score"], memory.obs["score"], rtol=1e-5, atol=1e-7)
 
 
+def test_gene_plots_on_the_lazy_x_equal_memory(root):
+    """Gene plots take the genes' values through ``sc.get.obs_df``: on a fresh read's lazy X
+    a dot plot's means and fractions equal the in-memory ones, and X stays lazy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    lazy = dc.read_deltacells(root, elements=False)
+    memory = dc.read_deltacells(root, elements=False).to_memory()
+    genes = list(lazy.var_names[[3, 0, 7]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = sc.pl.dotplot(lazy, genes, groupby="cell_type", return_fig=True)
+        want = sc.pl.dotplot(memory, genes, groupby="cell_type", return_fig=True)
+    assert isinstance(lazy.X, dc.DeltacellsCSRDataset)
+    np.testing.assert_allclose(got.dot_color_df, want.dot_color_df, rtol=1e-6)
+    np.testing.assert_allclose(got.dot_size_df, want.dot_size_df, rtol=1e-6)
+
+
 def test_seurat_v3_on_the_lazy_counts_equals_memory(root):
     """The way forward the table gives where scanpy's seurat_v3 fails on a dask X (scanpy
     1.11): on the lazy X itself, before any filter, it works and equals the in-memory result."""
