@@ -285,6 +285,12 @@ def test_score_genes_on_the_lazy_x_equals_memory(root):
             got, want = func(lazy.X, axis=axis), func(dense, axis=axis)
             assert np.shape(got) == np.shape(want), (func, axis)
             np.testing.assert_allclose(got, want, rtol=1e-6)
+        # keepdims (scanpy's Pearson residuals ask for it): numpy's 2-D shapes, not matrices.
+        for func in (np.sum, np.mean, np.nanmean, np.nansum):
+            got = func(lazy.X, axis=axis, keepdims=True)
+            want = func(dense, axis=axis, keepdims=True)
+            assert type(got) is np.ndarray and got.shape == want.shape, (func, axis)
+            np.testing.assert_allclose(got, want, rtol=1e-6)
     out = np.zeros(lazy.n_obs)
     assert np.nanmean(lazy.X, axis=1, out=out) is out
     np.testing.assert_allclose(out, dense.mean(axis=1), rtol=1e-6)
@@ -295,6 +301,18 @@ def test_score_genes_on_the_lazy_x_equals_memory(root):
         sc.tl.score_genes(memory, genes, random_state=0)
     assert isinstance(lazy.X, dc.DeltacellsCSRDataset)
     np.testing.assert_allclose(lazy.obs["score"], memory.obs["score"], rtol=1e-5, atol=1e-7)
+
+
+def test_pearson_residuals_on_the_lazy_x_equal_memory(root):
+    """scanpy's Pearson residuals take ``np.sum(X, axis, keepdims=True)``: on the lazy X the
+    residuals (dense, as in memory) equal the in-memory ones."""
+    lazy = dc.read_deltacells(root, elements=False)
+    memory = dc.read_deltacells(root, elements=False).to_memory()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = sc.experimental.pp.normalize_pearson_residuals(lazy, inplace=False)["X"]
+        want = sc.experimental.pp.normalize_pearson_residuals(memory, inplace=False)["X"]
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
 
 
 def test_gene_plots_on_the_lazy_x_equal_memory(root):

@@ -730,23 +730,35 @@ def _reduce_with(
     axis: int | None = None,
     dtype: DTypeLike = None,
     out: Any = None,
+    keepdims: bool = False,
     **kwargs: Any,
 ) -> Any:
-    """``np.sum`` / ``np.mean`` on a lazy X: the tile-by-tile reductions."""
+    """``np.sum`` / ``np.mean`` on a lazy X: the tile-by-tile reductions, shaped as scipy's
+    (or, with ``keepdims``, as numpy's for a 2-D array: ``(1, 1)``, ``(1, n)`` or
+    ``(m, 1)``)."""
     if kwargs:
         raise TypeError(_LAZY_ADVICE.format(what=f"a reduction with {sorted(kwargs)} on X"))
-    return method(a, axis=axis, dtype=dtype, out=out)
+    if not keepdims:
+        return method(a, axis=axis, dtype=dtype, out=out)
+    return _into(np.asarray(method(a, axis=axis, dtype=dtype)).reshape(
+        _kept_shape(a.shape, axis)), out)  # fmt: skip
+
+
+def _kept_shape(shape: tuple[int, int], axis: int | None) -> tuple[int, int]:
+    if axis is None:
+        return (1, 1)
+    return (1, shape[1]) if axis in (0, -2) else (shape[0], 1)
 
 
 def _nan_reduce(func: Callable, a: Any, axis: int | None = None, dtype: DTypeLike = None,
-                out: Any = None, **kwargs: Any) -> Any:
+                out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
     """``np.nansum`` / ``np.nanmean`` on a lazy X (scanpy's ``score_genes`` takes
     ``np.nanmean`` of any X it does not know): stored counts are never NaN, so these are the
     tile-by-tile sum and mean, shaped as numpy gives them for an array (a scalar, or one
     value per gene or per cell), not as scipy's ``np.matrix``."""
     method = DeltacellsCSRDataset.sum if func is np.nansum else DeltacellsCSRDataset.mean
-    result = _reduce_with(method, a, axis=axis, dtype=dtype, **kwargs)
-    if axis is not None:
+    result = _reduce_with(method, a, axis=axis, dtype=dtype, keepdims=keepdims, **kwargs)
+    if axis is not None and not keepdims:
         result = np.asarray(result).ravel()
     return _into(result, out)
 
