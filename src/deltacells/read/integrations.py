@@ -153,8 +153,27 @@ def _register_with_scanpy() -> None:
     its dask array over tiles (see :mod:`deltacells.read.outofcore`). Done once scanpy is
     imported (importing it for this would cost seconds), from :func:`read_deltacells`."""
     _register_tile_statistics()
+    _import_lazy_statistics()
     join_dispatchers(DeltacellsCSRDataset, DeltacellsCSRDataset.to_dask)
     join_dispatchers(TileMapped, TileMapped.to_dask)
+
+
+def _import_lazy_statistics() -> None:
+    """Import fast_array_utils' statistics modules, so that they can be joined now: its
+    functions import them on first use (``power``, ``is_constant``), and a dispatcher
+    imported after the join would raise a bare ``NotImplementedError`` on our X (as scanpy's
+    ``experimental.pp.highly_variable_genes`` did)."""
+    stats = sys.modules.get("fast_array_utils.stats")
+    if stats is None:
+        return
+    import importlib
+    import pkgutil
+
+    for module in pkgutil.iter_modules(getattr(stats, "__path__", [])):
+        try:
+            importlib.import_module(f"{stats.__name__}.{module.name}")
+        except ImportError:  # pragma: no cover - an optional part of fast_array_utils
+            continue
 
 
 def _register_tile_statistics() -> None:
