@@ -10,6 +10,7 @@ from typing import Any
 import anndata as ad
 import numpy as np
 import scipy.sparse as sp
+import wrapt
 from numpy.typing import DTypeLike
 
 from deltacells.read.lazy_matrix import (
@@ -151,11 +152,17 @@ class TileMapped:
 def _register_with_scanpy() -> None:
     """Where scanpy has a dask implementation of a dispatched function, our X uses it on
     its dask array over tiles (see :mod:`deltacells.read.outofcore`). Done once scanpy is
-    imported (importing it for this would cost seconds), from :func:`read_deltacells`."""
+    imported (importing it for this would cost seconds): from :func:`read_deltacells`, and
+    when scanpy's import completes after that (``_on_scanpy_import``)."""
     _register_tile_statistics()
     _import_lazy_statistics()
     join_dispatchers(DeltacellsCSRDataset, DeltacellsCSRDataset.to_dask)
     join_dispatchers(TileMapped, TileMapped.to_dask)
+
+
+def _on_scanpy_import(_module: Any) -> None:
+    _register_with_scanpy()
+
 
 
 def _import_lazy_statistics() -> None:
@@ -204,3 +211,8 @@ def _register_tile_statistics() -> None:
             if y is x:  # the square of X, for a variance: stays tile by tile
                 return TileMapped(x, lambda m: m.multiply(m).tocsr(), x.dtype)
             return elem_mul(x.to_dask(), _swap_lazy(y))
+
+
+# scanpy imported after a read (a notebook that imports it later) joins the lazy X as soon
+# as its import completes (at once if it is imported already: hence the end of the module).
+wrapt.register_post_import_hook(_on_scanpy_import, "scanpy")
