@@ -377,3 +377,20 @@ def test_counts_come_back_in_the_dtype_written(tmp_path, written, read):
     assert (back.X.to_memory() != sp.csr_matrix(source.X).astype(read)).nnz == 0
     chosen = dc.read_deltacells(tmp_path / "d", values_dtype=np.float64)
     assert chosen.X.dtype == np.float64 and chosen.X[:3].dtype == np.float64
+
+
+def test_an_element_anndata_cannot_write_costs_only_its_own_keys(tmp_path):
+    """One entry of uns (or obsm) that anndata's element IO cannot write is left out, named
+    in its own warning; the element's other keys are stored and read back."""
+    source = processed(n_cells=40, seed=7)
+    source.uns[1] = "an int key"
+    source.uns["opaque"] = object()
+    with pytest.warns(ElementsWarning) as caught:
+        dc.write_deltacells(source, tmp_path / "d", progress=False)
+    messages = [str(w.message) for w in caught]
+    assert any("uns[1] is left out" in m and "string keys only" in m for m in messages)
+    assert any("uns['opaque'] could not be stored" in m for m in messages)
+    assert not any(m.startswith("uns could not be stored") for m in messages)
+    back = dc.read_deltacells(tmp_path / "d")
+    expected = {k: v for k, v in source.uns.items() if k not in (1, "opaque")}
+    assert_equal(dict(back.uns), expected)

@@ -126,16 +126,38 @@ def write_elements(
         try:
             ad.io.write_elem(group, name, out)
         except Exception as err:  # anndata's IORegistryError and friends: say what is dropped
-            warnings.warn(
-                f"{name} could not be stored with anndata's element IO and is left out: {err}",
-                ElementsWarning,
-                stacklevel=3,
-            )
             if name in group:
                 del group[name]
-            continue
+            if not isinstance(out, dict) or not _write_key_by_key(group, name, out):
+                warnings.warn(f"{name} could not be stored with anndata's element IO and is "
+                              f"left out: {err}", ElementsWarning, stacklevel=3)  # fmt: skip
+                continue
         written.append(name)
     return written
+
+
+def _write_key_by_key(group: Any, name: str, mapping: dict) -> bool:
+    """Write ``mapping`` as element ``name`` one key at a time, leaving out (with an
+    :class:`ElementsWarning` each) only the keys anndata cannot write: one odd entry of uns
+    does not cost the rest. False (nothing written) when even the empty mapping fails."""
+    try:
+        ad.io.write_elem(group, name, {})
+    except Exception:  # the caller reports the element whole
+        return False
+    for key, value in mapping.items():
+        if not isinstance(key, str):
+            warnings.warn(f"{name}[{key!r}] is left out: anndata's element IO stores string "
+                          f"keys only; rename it (for example {name}[{str(key)!r}])",
+                          ElementsWarning, stacklevel=4)  # fmt: skip
+            continue
+        try:
+            ad.io.write_elem(group[name], key, value)
+        except Exception as err:  # named in the warning; the rest is kept
+            if key in group[name]:
+                del group[name][key]
+            warnings.warn(f"{name}[{key!r}] could not be stored with anndata's element IO and "
+                          f"is left out: {err}", ElementsWarning, stacklevel=4)  # fmt: skip
+    return True
 
 
 def read_elements(store: Store, names: list[str], lazy: bool = False,
