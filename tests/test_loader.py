@@ -661,6 +661,10 @@ def test_tiles_fetched_ahead_give_the_same_batches(pair, shuffle, monkeypatch):
     plain = dc.Loader(root, batch_size=100, shuffle=shuffle, seed=3, prefetch_tiles=0)
     ahead = dc.Loader(root, batch_size=100, shuffle=shuffle, seed=3, prefetch_tiles=3)
     assert plain.prefetch_tiles == 0 and ahead.prefetch_tiles == 3
+    # Local files are read a few tiles ahead by default (remote stores further).
+    from deltacells.train.loader import LOCAL_TILES_IN_FLIGHT
+
+    assert dc.Loader(root, batch_size=100).prefetch_tiles == LOCAL_TILES_IN_FLIGHT > 0
     asked = []
     original = Store.prefetch
     monkeypatch.setattr(Store, "prefetch", lambda self, names, sizes=None: (

@@ -170,7 +170,8 @@ class Loader:
         decode. ``None``: :data:`.REMOTE_TILES_IN_FLIGHT` for remote stores (enough requests in
         flight to cover latency x bandwidth: 16 tiles of ~2.7 MB are 43 MB, more than a
         200 ms, 150 MB/s link holds in flight; ``benchmarks/bench_remote.py`` sweeps it),
-        0 for local files (reading them is quick next to decoding).
+        :data:`.LOCAL_TILES_IN_FLIGHT` for local files (the next tiles are read, into
+        fresh pages when the loader keeps them, while the CPUs decode).
     tile_cache_bytes
         Most bytes of compressed tiles kept in memory. In the tile modes (``"tiles"``,
         ``"none"``), from a loader's second iteration (epoch) on, the tiles it reads, up to
@@ -227,7 +228,7 @@ class Loader:
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
         self.buffer_tiles, self.drop_last, self.prefetch = buffer_tiles, drop_last, prefetch
         self.prefetch_tiles = (prefetch_tiles if prefetch_tiles is not None
-                               else 0 if self.dataset.store.is_local
+                               else LOCAL_TILES_IN_FLIGHT if self.dataset.store.is_local
                                else REMOTE_TILES_IN_FLIGHT)  # fmt: skip
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
@@ -508,6 +509,10 @@ def check_loader_options(**options: Any) -> None:
 #: Measured at 150 MB/s: 8 reach the plateau at 50 ms, 200 ms needs 16 (and as many
 #: connections: :data:`deltacells.store.storage.REMOTE_IO_THREADS`).
 REMOTE_TILES_IN_FLIGHT = 16
+#: Local tiles read ahead by default: first epochs 3-6% and second ones (which read the
+#: kept tiles into fresh pages) up to a quarter faster than reading each when needed
+#: (fresh processes taking turns; ``docs/benchmarks.md``). Later epochs read nothing.
+LOCAL_TILES_IN_FLIGHT = 2
 
 
 class _BatchBuilder:
