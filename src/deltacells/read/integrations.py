@@ -164,7 +164,6 @@ def _on_scanpy_import(_module: Any) -> None:
     _register_with_scanpy()
 
 
-
 def _import_lazy_statistics() -> None:
     """Import fast_array_utils' statistics modules, so that they can be joined now: its
     functions import them on first use (``power``, ``is_constant``), and a dispatcher
