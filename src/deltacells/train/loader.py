@@ -509,9 +509,10 @@ def check_loader_options(**options: Any) -> None:
 #: Measured at 150 MB/s: 8 reach the plateau at 50 ms, 200 ms needs 16 (and as many
 #: connections: :data:`deltacells.store.storage.REMOTE_IO_THREADS`).
 REMOTE_TILES_IN_FLIGHT = 16
-#: Local tiles read ahead by default: first epochs 3-6% and second ones (which read the
-#: kept tiles into fresh pages) up to a quarter faster than reading each when needed
-#: (fresh processes taking turns; ``docs/benchmarks.md``). Later epochs read nothing.
+#: Tiles a loader reads ahead on local files by default. First epochs ran 3-6% faster and
+#: second ones (which read the kept tiles into fresh pages) up to a quarter faster than
+#: reading each when needed (fresh processes taking turns; ``docs/benchmarks.md``). Later
+#: epochs read nothing.
 LOCAL_TILES_IN_FLIGHT = 2
 
 
