@@ -49,6 +49,13 @@ def test_sum_and_mean_match_scipy(stored, values_dtype):
             np.asarray(X.mean(axis=axis)), np.asarray(expected.mean(axis=axis)), rtol=1e-6
         )
         assert np.shape(X.sum(axis=axis)) == np.shape(expected.sum(axis=axis))
+        # Per gene or cell: np.matrix as scipy makes it, without numpy's warning for
+        # np.matrix(...) on every sum.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", PendingDeprecationWarning)
+            if axis is not None:
+                assert type(X.sum(axis=axis)) is np.matrix is type(expected.sum(axis=axis))
+                assert type(X.mean(axis=axis)) is np.matrix is type(expected.mean(axis=axis))
     np.testing.assert_allclose(
         np.asarray(np.sum(X, axis=1)),  # numpy passes out=
         np.asarray(expected.sum(axis=1)),

@@ -558,10 +558,10 @@ class DeltacellsCSRDataset(CSRDataset):
             total = np.zeros(self.shape[1], dtype=out_dtype)
             for part in self._tile_reduce(lambda m: np.asarray(m.sum(axis=0, dtype=out_dtype))):
                 total += part.ravel()
-            return np.asmatrix(total)
+            return _as_matrix(total[np.newaxis, :])
         parts = self._tile_reduce(lambda m: np.asarray(m.sum(axis=1, dtype=out_dtype)).ravel())
         column = np.concatenate(parts) if parts else np.zeros(0, dtype=out_dtype)
-        return np.asmatrix(column).T
+        return _as_matrix(column[:, np.newaxis])
 
     def mean(self, axis: int | None = None, dtype: DTypeLike = None, out: Any = None) -> Any:
         """Mean over all values, per gene (``axis=0``) or per cell (``1``), zeros included,
@@ -761,6 +761,12 @@ def _nan_reduce(func: Callable, a: Any, axis: int | None = None, dtype: DTypeLik
     if axis is not None and not keepdims:
         result = np.asarray(result).ravel()
     return _into(result, out)
+
+
+def _as_matrix(array: np.ndarray) -> np.matrix:
+    """``array`` as the ``np.matrix`` scipy's sums give, made as scipy makes it (a view), so
+    that numpy's PendingDeprecationWarning for ``np.matrix(...)`` is not raised on each sum."""
+    return array.view(np.matrix)
 
 
 def _into(result: Any, out: Any) -> Any:
