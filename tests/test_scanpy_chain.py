@@ -401,3 +401,22 @@ def test_seurat_v3_on_the_lazy_counts_equals_memory(root):
                                            inplace=False)  # fmt: skip
     assert isinstance(lazy.X, dc.DeltacellsCSRDataset)
     assert (got["highly_variable"].to_numpy() == want["highly_variable"].to_numpy()).all()
+
+
+def test_a_failed_join_never_fails_a_read_or_scanpys_import(root, monkeypatch):
+    """If scanpy's or fast_array_utils' internals change so that joining them raises, reads
+    (and the hook inside ``import scanpy``) still work, with one warning giving the way
+    forward."""
+    from deltacells.read import integrations
+
+    def changed(*args):
+        raise TypeError("internals changed")
+
+    monkeypatch.setattr(integrations, "_register_tile_statistics", changed)
+    monkeypatch.setattr(integrations, "_join_failed", False)
+    with pytest.warns(RuntimeWarning, match=r"internals changed.*to_memory\(\)") as caught:
+        lazy = dc.read_deltacells(root, elements=False)
+        dc.read_deltacells(root, elements=False)
+        integrations._on_scanpy_import(sc)
+    assert len([w for w in caught if "could not hand" in str(w.message)]) == 1
+    assert lazy.X.to_memory().nnz == dc.open_dataset(root).manifest.nnz

@@ -4,6 +4,7 @@ scanpy's dispatched statistics (tile by tile) and scanpy's dask implementations.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -153,11 +154,23 @@ def _register_with_scanpy() -> None:
     """Where scanpy has a dask implementation of a dispatched function, our X uses it on
     its dask array over tiles (see :mod:`deltacells.read.outofcore`). Done once scanpy is
     imported (importing it for this would cost seconds): from :func:`read_deltacells`, and
-    when scanpy's import completes after that (``_on_scanpy_import``)."""
-    _register_tile_statistics()
-    _import_lazy_statistics()
-    join_dispatchers(DeltacellsCSRDataset, DeltacellsCSRDataset.to_dask)
-    join_dispatchers(TileMapped, TileMapped.to_dask)
+    when scanpy's import completes after that (``_on_scanpy_import``). Never raises: it runs
+    inside the user's ``import scanpy`` and every read, which must not fail for it."""
+    global _join_failed
+    try:
+        _register_tile_statistics()
+        _import_lazy_statistics()
+        join_dispatchers(DeltacellsCSRDataset, DeltacellsCSRDataset.to_dask)
+        join_dispatchers(TileMapped, TileMapped.to_dask)
+    except Exception as err:  # scanpy's or fast_array_utils' internals changed
+        if not _join_failed:
+            _join_failed = True
+            warnings.warn(f"deltacells could not hand its lazy X to scanpy ({err!r}): where "
+                          "scanpy fails on it, use adata.to_memory() or "
+                          "read_deltacells(..., dask=True)", RuntimeWarning, stacklevel=2)
+
+
+_join_failed = False  # warned once per process
 
 
 def _on_scanpy_import(_module: Any) -> None:
