@@ -558,10 +558,12 @@ class DeltacellsCSRDataset(CSRDataset):
             total = np.zeros(self.shape[1], dtype=out_dtype)
             for part in self._tile_reduce(lambda m: np.asarray(m.sum(axis=0, dtype=out_dtype))):
                 total += part.ravel()
-            return _as_matrix(total[np.newaxis, :])
+            # np.matrix as scipy's sums give it, made as scipy makes it (a view): no
+            # PendingDeprecationWarning for np.matrix(...) on each sum.
+            return total[np.newaxis, :].view(np.matrix)
         parts = self._tile_reduce(lambda m: np.asarray(m.sum(axis=1, dtype=out_dtype)).ravel())
         column = np.concatenate(parts) if parts else np.zeros(0, dtype=out_dtype)
-        return _as_matrix(column[:, np.newaxis])
+        return column[:, np.newaxis].view(np.matrix)
 
     def mean(self, axis: int | None = None, dtype: DTypeLike = None, out: Any = None) -> Any:
         """Mean over all values, per gene (``axis=0``) or per cell (``1``), zeros included,
@@ -740,14 +742,8 @@ def _reduce_with(
         raise TypeError(_LAZY_ADVICE.format(what=f"a reduction with {sorted(kwargs)} on X"))
     if not keepdims:
         return method(a, axis=axis, dtype=dtype, out=out)
-    return _into(np.asarray(method(a, axis=axis, dtype=dtype)).reshape(
-        _kept_shape(a.shape, axis)), out)  # fmt: skip
-
-
-def _kept_shape(shape: tuple[int, int], axis: int | None) -> tuple[int, int]:
-    if axis is None:
-        return (1, 1)
-    return (1, shape[1]) if axis in (0, -2) else (shape[0], 1)
+    kept = np.asarray(method(a, axis=axis, dtype=dtype))  # (1, n) or (m, 1) for an axis
+    return _into(kept.reshape(1, 1) if axis is None else kept, out)
 
 
 def _nan_reduce(func: Callable, a: Any, axis: int | None = None, dtype: DTypeLike = None,
@@ -761,12 +757,6 @@ def _nan_reduce(func: Callable, a: Any, axis: int | None = None, dtype: DTypeLik
     if axis is not None and not keepdims:
         result = np.asarray(result).ravel()
     return _into(result, out)
-
-
-def _as_matrix(array: np.ndarray) -> np.matrix:
-    """``array`` as the ``np.matrix`` scipy's sums give, made as scipy makes it (a view), so
-    that numpy's PendingDeprecationWarning for ``np.matrix(...)`` is not raised on each sum."""
-    return array.view(np.matrix)
 
 
 def _into(result: Any, out: Any) -> Any:
