@@ -124,26 +124,26 @@ def write_elements(
                     value = permute_cells(value, cell_order, both_axes=name == "obsp")
                 out[key] = value
         try:
-            ad.io.write_elem(group, name, out)
+            if isinstance(out, dict):
+                _write_key_by_key(group, name, out)
+            else:
+                ad.io.write_elem(group, name, out)
         except Exception as err:  # anndata's IORegistryError and friends: say what is dropped
             if name in group:
                 del group[name]
-            if not isinstance(out, dict) or not _write_key_by_key(group, name, out):
-                warnings.warn(f"{name} could not be stored with anndata's element IO and is "
-                              f"left out: {err}", ElementsWarning, stacklevel=3)  # fmt: skip
-                continue
+            warnings.warn(f"{name} could not be stored with anndata's element IO and is left "
+                          f"out: {err}", ElementsWarning, stacklevel=3)  # fmt: skip
+            continue
         written.append(name)
     return written
 
 
-def _write_key_by_key(group: Any, name: str, mapping: dict) -> bool:
-    """Write ``mapping`` as element ``name`` one key at a time, leaving out (with an
-    :class:`ElementsWarning` each) only the keys anndata cannot write: one odd entry of uns
-    does not cost the rest. False (nothing written) when even the empty mapping fails."""
-    try:
-        ad.io.write_elem(group, name, {})
-    except Exception:  # the caller reports the element whole
-        return False
+def _write_key_by_key(group: Any, name: str, mapping: dict) -> None:
+    """Write ``mapping`` as element ``name`` one key at a time, as anndata writes a mapping,
+    leaving out (with an :class:`ElementsWarning` each) only the keys anndata cannot write:
+    one odd entry of uns does not cost the rest. Raises only if the mapping itself (empty)
+    cannot be written."""
+    ad.io.write_elem(group, name, {})
     for key, value in mapping.items():
         if not isinstance(key, str):
             warnings.warn(f"{name}[{key!r}] is left out: anndata's element IO stores string "
@@ -157,7 +157,6 @@ def _write_key_by_key(group: Any, name: str, mapping: dict) -> bool:
                 del group[name][key]
             warnings.warn(f"{name}[{key!r}] could not be stored with anndata's element IO and "
                           f"is left out: {err}", ElementsWarning, stacklevel=4)  # fmt: skip
-    return True
 
 
 def read_elements(store: Store, names: list[str], lazy: bool = False,
