@@ -182,8 +182,9 @@ def _import_lazy_statistics() -> None:
     functions import them on first use (``power``, ``is_constant``), and a dispatcher
     imported after the join would raise a bare ``NotImplementedError`` on our X (as scanpy's
     ``experimental.pp.highly_variable_genes`` did)."""
+    global _statistics_imported
     stats = sys.modules.get("fast_array_utils.stats")
-    if stats is None:
+    if stats is None or _statistics_imported:
         return
     import importlib
     import pkgutil
@@ -193,6 +194,10 @@ def _import_lazy_statistics() -> None:
             importlib.import_module(f"{stats.__name__}.{module.name}")
         except ImportError:  # pragma: no cover - an optional part of fast_array_utils
             continue
+    _statistics_imported = True  # once per process, not a folder listing on every read
+
+
+_statistics_imported = False
 
 
 def _register_tile_statistics() -> None:
